@@ -1,0 +1,34 @@
+"""megatrain_hf: full fine-tuning of models larger than the GPU, from the HF Trainer, by one flag.
+
+Host RAM holds every trainable tensor (fp32 masters, gradients, AdamW state); the GPU computes
+one streamed layer at a time. ``import megatrain_hf`` needs neither CUDA nor transformers: the
+Trainer/Accelerate integrations load on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+from .config import MegaTrainConfig
+from .engine import Engine, EngineStats, attach, engine_of
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "MegaTrainPlugin": "megatrain_hf.integrations.trainer",
+    "enable": "megatrain_hf.integrations.trainer",
+    "disable": "megatrain_hf.integrations.trainer",
+    "MegaTrainAccelerator": "megatrain_hf.integrations.accelerate",
+    "HostAdamW": "megatrain_hf.optimizer",
+    "register_family": "megatrain_hf.adapters",
+}
+
+__all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatrain_hf' has no attribute {name!r}")
+    return getattr(import_module(module), name)

@@ -1,0 +1,135 @@
+"""Every knob of the engine in one validated, documented dataclass.
+
+Policy lives here; the mechanism classes (store, streamer, engine, optimizer) take plain
+arguments so that tests can build them directly. A config never touches CUDA or a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "auto": None,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+ENV_VAR = "MEGATRAIN_CONFIG"
+"""Environment variable through which `megatrain launch` hands a config to `megatrain_hf.run`."""
+
+
+@dataclass(kw_only=True)
+class MegaTrainConfig:
+    """Configuration of the megatrain engine.
+
+    Example::
+
+        from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
+        plugin = MegaTrainPlugin(MegaTrainConfig(compute_dtype="bf16"))
+    """
+
+    device: str | None = None
+    """Compute device (`"cuda"`, `"cuda:1"`, `"cpu"`). `None`: the Trainer's `args.device`, else
+    `cuda` when available, else `cpu`. Host RAM always holds the fp32 masters."""
+
+    compute_dtype: str = "auto"
+    """dtype of the weights streamed to the device and of the compute: `"auto"` (bf16 when the
+    Trainer runs with `bf16=True`, else fp32), `"bf16"`/`"bfloat16"` or `"fp32"`/`"float32"`.
+    Masters, gradients accumulators and optimizer state stay fp32 on the host whatever this is."""
+
+    pin_memory: bool | str = "auto"
+    """Page-lock the host buffers (`cudaHostRegister`, no power-of-two rounding) so that transfers
+    run at full link speed: `"auto"` pins when the compute device is CUDA. If the OS refuses,
+    the engine raises with the size asked for (see docs/troubleshooting.md)."""
+
+    replace_adamw: bool = True
+    """When the Trainer builds `torch.optim.AdamW` (any `optim="adamw_torch*"`), replace it by
+    `HostAdamW` with the same groups and hyper-parameters: same math, state kept in per-layer
+    host flats next to the masters. Other optimizers are always kept as they are."""
+
+    def __post_init__(self) -> None:
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except RuntimeError as exc:
+                raise ValueError(
+                    f"MegaTrainConfig.device={self.device!r} is not a torch device; use e.g. 'cuda', "
+                    "'cuda:0' or 'cpu', or leave it None to follow the Trainer."
+                ) from exc
+        if not isinstance(self.compute_dtype, str) or self.compute_dtype not in _DTYPES:
+            raise ValueError(
+                f"MegaTrainConfig.compute_dtype={self.compute_dtype!r} is not supported; allowed: "
+                f"{sorted(_DTYPES)}. fp16 is not supported (use bf16 on GPUs that have it)."
+            )
+        if self.pin_memory not in (True, False, "auto"):
+            raise ValueError(
+                f"MegaTrainConfig.pin_memory={self.pin_memory!r}; allowed: True, False or 'auto'."
+            )
+
+    # ------------------------------------------------------------------ helpers
+    def resolve_dtype(self, trainer_bf16: bool = False) -> torch.dtype:
+        """The compute dtype, given whether the Trainer asked for bf16 mixed precision."""
+        dtype = _DTYPES[self.compute_dtype]
+        if dtype is None:
+            return torch.bfloat16 if trainer_bf16 else torch.float32
+        return dtype
+
+    def resolve_device(self, trainer_device: torch.device | None = None) -> torch.device:
+        """The compute device, given the Trainer's device if there is one."""
+        if self.device is not None:
+            return torch.device(self.device)
+        if trainer_device is not None:
+            return torch.device(trainer_device)
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def resolve_pin(self, device: torch.device) -> bool:
+        if self.pin_memory == "auto":
+            return device.type == "cuda"
+        return bool(self.pin_memory)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> "MegaTrainConfig":
+        """Build from a mapping (a YAML `megatrain:` section); unknown keys are rejected."""
+        values = dict(values or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown megatrain option(s) {unknown}; allowed: {sorted(known)}. "
+                "See docs/configuration.md."
+            )
+        return cls(**values)
+
+    @classmethod
+    def from_env(cls) -> "MegaTrainConfig":
+        """Config handed over by `megatrain launch` through the MEGATRAIN_CONFIG variable (JSON)."""
+        import json
+
+        raw = os.environ.get(ENV_VAR)
+        if not raw:
+            return cls()
+        try:
+            values = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{ENV_VAR} is not valid JSON ({exc}); value: {raw[:200]!r}") from exc
+        if not isinstance(values, dict):
+            raise ValueError(f"{ENV_VAR} must hold a JSON object, got {type(values).__name__}")
+        return cls.from_dict(values)
+
+
+def config_fields() -> list[dataclasses.Field]:
+    """The documented fields, in order (used by the docs and their test)."""
+    return [f for f in fields(MegaTrainConfig)]
+
+
+__all__ = ["MegaTrainConfig", "ENV_VAR", "config_fields"]

@@ -1,0 +1,405 @@
+"""The engine: streamed autograd through stateless templates.
+
+``attach(model)`` turns every unit of a causal LM (embedding, decoder layers, final norm, head)
+into a streamed unit and returns an :class:`Engine` handle whose ``detach()`` undoes it. The
+model keeps its own ``forward``: HF computes rotary tables, masks per layer type, scaling and the
+loss exactly as usual; only the units' ``forward`` is replaced (an instance attribute, so the
+class is untouched). A streamed unit
+
+* forward (training): fetches its weights, runs the template under ``no_grad`` and keeps only its
+  input (the activation checkpoint), inside an ``autograd.Function``;
+* backward: fetches the weights again, restores the RNG state of the forward (dropout) and its
+  autocast state, recomputes with grad, returns the input's gradient and adds the weights'
+  gradients into the fp32 host accumulators (``param.grad`` views them);
+* forward (eval / generate / ``no_grad``): fetch + template, nothing kept.
+
+A requires-grad scalar (the *anchor*) is an input of every streamed call so that backward reaches
+units whose input carries no grad (frozen embeddings under PEFT, the embedding itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .adapters import Units, locate_units, unwrap
+from .config import MegaTrainConfig
+from .store import Entry, HostStore
+from .streamer import Streamer
+from .template import Template, TemplateCache
+
+logger = logging.getLogger(__name__)
+
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+_INPUT_KWARGS = ("hidden_states", "input_ids", "input", "inputs_embeds")
+
+
+@dataclass
+class _Unit:
+    index: int
+    name: str
+    module: nn.Module
+    template: Template
+    mirror: list
+    trainable: list[Entry]
+
+
+@dataclass
+class _Call:
+    """Everything a streamed call needs besides its differentiable input."""
+
+    unit: int
+    args: tuple  # positional arguments after the input
+    kwargs: dict
+    input_key: str | None  # None: the input was the first positional argument
+    autocast: tuple | None = None  # (enabled, dtype, cache_enabled) on the compute device type
+    cpu_rng: torch.Tensor | None = None
+    dev_rng: torch.Tensor | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters since the last ``reset`` (read by the Trainer integration's metrics)."""
+
+    forward_units: int = 0
+    backward_units: int = 0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    tokens: int = 0  # token ids entering the embedding in training calls
+
+    def reset(self) -> None:
+        self.forward_units = self.backward_units = self.h2d_bytes = self.d2h_bytes = self.tokens = 0
+
+
+class _StreamedUnit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, engine: "Engine", call: _Call, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        ctx.engine, ctx.call = engine, call
+        ctx.save_for_backward(x)  # the activation checkpoint of this unit
+        return engine._compute(call, x, engine.streamer.fetch(call.unit))
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        grad_x = ctx.engine._recompute_backward(ctx.call, x, grad_out)
+        ctx.call = None
+        return None, None, None, grad_x
+
+
+class Engine:
+    """Handle of an attached model. Build with :func:`attach`."""
+
+    def __init__(self, model: nn.Module, config: MegaTrainConfig, device: torch.device, dtype: torch.dtype) -> None:
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device} was asked for but CUDA is not available; use device='cpu'.")
+        self.model = model
+        self.config = config
+        self.device = device
+        self.compute_dtype = dtype
+        self.stats = EngineStats()
+        self._undo: list = []
+        units = locate_units(model)
+        self._check_coverage(model, units)
+        self._disable_hf_checkpointing(model)
+        self.store = HostStore(
+            list(zip(units.names, units.modules)),
+            compute_dtype=dtype,
+            device=device,
+            pin=config.resolve_pin(device),
+            embedding_units=units.embedding_units,
+        )
+        self.streamer = Streamer(self.store, device, self.stats)
+        templates = TemplateCache()
+        self.units: list[_Unit] = []
+        for u, (name, module) in enumerate(zip(units.names, units.modules)):
+            template = templates.get(module)
+            self.units.append(
+                _Unit(u, name, module, template, template.mirror_pairs(module), self.store.trainable_entries(u))
+            )
+        self.num_templates = len(templates)
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
+        self._install(model, units)
+        logger.info(
+            "megatrain attached: %d units (%d templates), %.1fM trainable params, %.2f GiB host, "
+            "compute %s on %s",
+            len(self.units),
+            self.num_templates,
+            self.store.trainable_numel() / 1e6,
+            self.store.host_bytes() / 2**30,
+            str(dtype).replace("torch.", ""),
+            device,
+        )
+
+    # ------------------------------------------------------------------ attach / detach
+    @staticmethod
+    def _check_coverage(model: nn.Module, units: Units) -> None:
+        covered = {id(p) for m in units.modules for p in m.parameters()}
+        stray = [n for n, p in model.named_parameters() if id(p) not in covered]
+        if stray:
+            raise ValueError(
+                f"{len(stray)} parameter(s) live outside the streamed units and would stay on the host: "
+                f"{stray[:5]}. megatrain supports models whose weights are all in the embedding, decoder "
+                "layers, final norm and lm_head."
+            )
+
+    def _disable_hf_checkpointing(self, model: nn.Module) -> None:
+        base = unwrap(model)
+        flag = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") else (
+            "is_gradient_checkpointing"
+        )
+        if getattr(base, flag, False):
+            logger.warning(
+                "HF activation checkpointing was enabled on the model; megatrain turns it off because it "
+                "already recomputes every layer from its own checkpoint (HF's would recompute twice)."
+            )
+            base.gradient_checkpointing_disable()
+
+        def _noop(*args, **kwargs):
+            logger.info(
+                "activation checkpointing requested: megatrain already checkpoints every layer and "
+                "recomputes it in backward, so HF's is not enabled."
+            )
+
+        for target in {id(model): model, id(base): base}.values():
+            for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
+                if hasattr(target, name):
+                    self._set_instance_attr(target, name, _noop)
+
+    def _set_instance_attr(self, obj: Any, name: str, value: Any) -> None:
+        had = name in vars(obj)
+        old = vars(obj).get(name)
+        obj.__dict__[name] = value  # instance attribute: the class stays untouched
+
+        def undo():
+            if had:
+                obj.__dict__[name] = old
+            else:
+                obj.__dict__.pop(name, None)
+
+        self._undo.append(undo)
+
+    def _install(self, model: nn.Module, units: Units) -> None:
+        for unit in self.units:
+            self._set_instance_attr(unit.module, "forward", self._make_forward(unit.index))
+        # Non-unit buffers (rotary inv_freq, ...) are small: they live on the compute device.
+        in_units = {id(b) for m in units.modules for b in m.buffers()}
+        for mod in model.modules():
+            for key, buf in list(mod._buffers.items()):
+                if buf is not None and id(buf) not in in_units and buf.device != self.device:
+                    mod._buffers[key] = buf.to(self.device)
+                    self._undo.append(lambda mod=mod, key=key, buf=buf: mod._buffers.__setitem__(key, buf))
+        # A device map of 2+ entries keeps Trainer and Accelerate from moving the whole model.
+        base = unwrap(model)
+        device_map = {name: str(self.device) for name in units.names}
+        self._set_instance_attr(base, "hf_device_map", device_map)
+        self._step_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+        self._undo.append(self._step_hook.remove)
+
+    def detach(self) -> None:
+        """Restore the model's modules (forward, buffers, device map). Parameters stay on the host."""
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+        self.store.release()
+        if getattr(self.model, "_megatrain_engine", None) is self:
+            del self.model._megatrain_engine
+
+    def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if getattr(optimizer, "marks_store_dirty", False):
+            return  # HostAdamW marks exactly the units it updated
+        for group in optimizer.param_groups:
+            if any(self.store.home_of(p) is not None for p in group["params"][:1]):
+                self.store.mark_dirty()
+                return
+
+    def mark_dirty(self) -> None:
+        """Call after changing parameters in place through ``.data`` (nothing else needs it)."""
+        self.store.mark_dirty()
+
+    # ------------------------------------------------------------------ streamed calls
+    def _make_forward(self, u: int):
+        def forward(*args, **kwargs):
+            return self._unit_forward(u, args, kwargs)
+
+        return forward
+
+    def _unit_forward(self, u: int, args: tuple, kwargs: dict) -> torch.Tensor:
+        if args:
+            x, rest, key = args[0], args[1:], None
+        else:
+            key = next((k for k in _INPUT_KWARGS if k in kwargs), None)
+            if key is None:
+                raise TypeError(f"streamed unit {self.units[u].name} got no input tensor (kwargs: {sorted(kwargs)})")
+            kwargs = dict(kwargs)
+            x, rest = kwargs.pop(key), ()
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"streamed unit {self.units[u].name} expects a tensor input, got {type(x).__name__}")
+        unit = self.units[u]
+        needs_graph = torch.is_grad_enabled() and (
+            bool(unit.trainable) or (x.is_floating_point() and x.requires_grad)
+        )
+        call = _Call(u, rest, kwargs, key)
+        if not needs_graph:
+            return self._compute(call, x, self.streamer.fetch(u))
+        self._check_side_inputs(unit, rest, kwargs)
+        if u == 0 and not x.is_floating_point():
+            self.stats.tokens += x.numel()
+        call.kwargs = self._without_cache(unit, kwargs)
+        dev_type = self.device.type
+        call.autocast = (
+            torch.is_autocast_enabled(dev_type),
+            torch.get_autocast_dtype(dev_type),
+            torch.is_autocast_cache_enabled(),
+        )
+        if unit.module.training:  # dropout may draw random numbers: replay them in backward
+            call.cpu_rng = torch.get_rng_state()
+            if dev_type == "cuda":
+                call.dev_rng = torch.cuda.get_rng_state(self.device)
+        return _StreamedUnit.apply(self, call, self.anchor, x)
+
+    def _check_side_inputs(self, unit: _Unit, rest: tuple, kwargs: dict) -> None:
+        def tensors(values):
+            for v in values:
+                if isinstance(v, torch.Tensor):
+                    yield v
+                elif isinstance(v, (tuple, list)):
+                    yield from (t for t in v if isinstance(t, torch.Tensor))
+
+        for t in tensors((*rest, *kwargs.values())):
+            if t.requires_grad:
+                raise RuntimeError(
+                    f"streamed unit {unit.name} received a side input that requires grad (shape "
+                    f"{tuple(t.shape)}); megatrain differentiates only the unit's main input (hidden "
+                    "states). Trainable rotary/position tables are not supported."
+                )
+
+    def _without_cache(self, unit: _Unit, kwargs: dict) -> dict:
+        """Training calls never write a KV cache (the recompute would write it twice)."""
+        out = dict(kwargs)
+        for name in _CACHE_KWARGS:
+            cache = out.get(name)
+            if cache is None:
+                continue
+            layer_idx = getattr(getattr(unit.module, "self_attn", None), "layer_idx", 0)
+            seen = cache.get_seq_length(layer_idx) if hasattr(cache, "get_seq_length") else 0
+            if seen:
+                raise RuntimeError(
+                    f"streamed unit {unit.name} got a KV cache holding {seen} tokens in a training "
+                    "(grad-enabled) call; megatrain does not train through a pre-filled cache. Pass "
+                    "use_cache=False / no past_key_values when training."
+                )
+            out[name] = None
+        if "use_cache" in out:
+            out["use_cache"] = False
+        return out
+
+    def _autocast(self, state: tuple | None):
+        dev_type = self.device.type
+        stack = contextlib.ExitStack()
+        if state is not None:
+            enabled, dtype, cache = state
+            stack.enter_context(torch.autocast(dev_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        if self.compute_dtype != torch.float32 and not torch.is_autocast_enabled(dev_type):
+            # Low-precision weights next to fp32 vectors need autocast to mix in matmuls.
+            stack.enter_context(torch.autocast(dev_type, dtype=self.compute_dtype))
+        return stack
+
+    def _compute(self, call: _Call, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        unit = self.units[call.unit]
+        module = unit.template.bind(tensors, unit.mirror)
+        try:
+            with self._autocast(None):
+                if call.input_key is None:
+                    out = module(x, *call.args, **call.kwargs)
+                else:
+                    out = module(*call.args, **{call.input_key: x}, **call.kwargs)
+        finally:
+            unit.template.unbind()
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"streamed unit {unit.name} returned {type(out).__name__}; megatrain expects a tensor "
+                "(transformers >= 5 decoder layers return one)."
+            )
+        self.stats.forward_units += 1
+        return out
+
+    def _recompute_backward(self, call: _Call, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
+        unit = self.units[call.unit]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=call.cpu_rng is not None, device_type=self.device.type):
+            if call.cpu_rng is not None:
+                torch.set_rng_state(call.cpu_rng)
+                if call.dev_rng is not None:
+                    torch.cuda.set_rng_state(call.dev_rng, self.device)
+            tensors = self.streamer.fetch(call.unit)
+            leaves = []
+            for e in unit.trainable:
+                leaf = tensors[e.name].detach().requires_grad_(True)
+                tensors[e.name] = leaf
+                leaves.append(leaf)
+            x_grad = x.is_floating_point() and x.requires_grad
+            x_in = x.detach().requires_grad_(x_grad)
+            with torch.enable_grad(), self._autocast(call.autocast):
+                out = self._compute(call, x_in, tensors)
+            self.stats.forward_units -= 1  # a recompute is not a forward
+            inputs = ([x_in] if x_grad else []) + leaves
+            grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+        grad_x = grads[0] if x_grad else None
+        for e, g in zip(unit.trainable, grads[1 if x_grad else 0 :]):
+            if g is not None:
+                if g.device.type != "cpu":
+                    self.stats.d2h_bytes += g.numel() * g.element_size()
+                self.store.accumulate_grad(e, g)
+        self.stats.backward_units += 1
+        return grad_x
+
+
+def attach(
+    model: nn.Module,
+    config: MegaTrainConfig | None = None,
+    *,
+    device: torch.device | str | None = None,
+    bf16: bool = False,
+) -> Engine:
+    """Attach the engine to ``model`` (on the CPU, fp32 masters) and return its handle.
+
+    ``device``/``bf16`` are what the Trainer would use (its ``args.device`` and ``args.bf16``);
+    ``config`` overrides them. Attaching twice raises; ``handle.detach()`` undoes everything but
+    the parameters' new home in host buffers.
+    """
+    config = config or MegaTrainConfig()
+    if getattr(model, "_megatrain_engine", None) is not None:
+        raise RuntimeError("megatrain is already attached to this model; call handle.detach() first.")
+    dev = config.resolve_device(torch.device(device) if device is not None else None)
+    dtype = config.resolve_dtype(trainer_bf16=bf16)
+    floating = {p.dtype for p in model.parameters() if p.requires_grad}
+    if floating - {torch.float32}:
+        raise ValueError(
+            f"trainable parameters are {sorted(str(d) for d in floating)}; megatrain keeps fp32 masters. "
+            "Load the model with dtype=torch.float32 (e.g. from_pretrained(path, dtype=torch.float32)); "
+            "the compute still runs in bf16 with TrainingArguments(bf16=True)."
+        )
+    engine = Engine(model, config, dev, dtype)
+    model.__dict__["_megatrain_engine"] = engine
+    return engine
+
+
+def engine_of(model: nn.Module) -> Engine | None:
+    """The engine attached to ``model`` (or to the model under its PEFT/Accelerate wrappers)."""
+    seen = set()
+    while model is not None and id(model) not in seen:
+        seen.add(id(model))
+        engine = model.__dict__.get("_megatrain_engine")
+        if engine is not None:
+            return engine
+        model = getattr(model, "module", None) or (
+            model.get_base_model() if hasattr(model, "get_base_model") else None
+        )
+    return None
+

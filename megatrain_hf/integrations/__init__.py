@@ -1,0 +1,1 @@
+"""Glue to Hugging Face Trainer and Accelerate (the only modules that import them)."""

@@ -1,0 +1,174 @@
+"""HostAdamW: AdamW on the host store's flats with torch's fused CPU kernel.
+
+Same math as ``torch.optim.AdamW(fused=True)`` (the Trainer's default ``adamw_torch_fused``):
+the same kernel runs on the same tensors, so results are bitwise equal. What differs is where
+the state lives: ``exp_avg`` / ``exp_avg_sq`` are one contiguous fp32 flat per unit, laid out
+like the unit's master flat, so that the update can run unit by unit (layer 0 first) and the
+state can be saved and loaded per unit. After a unit is updated its compute-dtype staging copy
+is refreshed while the masters are still warm in cache.
+
+NOTE: it subclasses ``torch.optim.Optimizer`` so that HF's LR schedulers, ``zero_grad`` and
+``state_dict`` work unchanged; its ``state_dict`` has the layout of ``torch.optim.AdamW``'s.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from .store import Entry, HostStore
+
+
+class HostAdamW(torch.optim.Optimizer):
+    marks_store_dirty = True  # tells the engine's global step hook not to re-stage everything
+
+    def __init__(
+        self,
+        params,
+        store: HostStore,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        maximize: bool = False,
+    ) -> None:
+        if not 0.0 <= eps:
+            raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"HostAdamW betas={betas}: each must be in [0, 1)")
+        if weight_decay < 0.0:
+            raise ValueError(f"HostAdamW weight_decay={weight_decay}: must be >= 0")
+        self.store = store
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults)
+        self._build_state()
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, store: HostStore) -> "HostAdamW":
+        """A HostAdamW with ``optimizer``'s param groups and hyper-parameters (a fresh AdamW)."""
+        groups = []
+        for g in optimizer.param_groups:
+            groups.append(
+                {k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay", "maximize") if k in g}
+                | {k: v for k, v in g.items() if k not in _ADAMW_KEYS}
+            )
+        return cls(groups, store)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_plan", None) is not None:
+            raise RuntimeError("HostAdamW does not accept new parameter groups after construction")
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ state
+    def _build_state(self) -> None:
+        plan: dict[int, dict[int, list[Entry]]] = defaultdict(lambda: defaultdict(list))
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                home = self.store.home_of(p)
+                if home is None or home[1].kind != "trainable":
+                    raise ValueError(
+                        f"HostAdamW got a parameter (shape {tuple(p.shape)}) that the megatrain host store "
+                        "does not hold as trainable; pass the parameters of the attached model."
+                    )
+                plan[home[0]][gi].append(home[1])
+        self._plan = {u: dict(groups) for u, groups in sorted(plan.items())}
+        self._exp_avg: dict[int, torch.Tensor] = {}
+        self._exp_avg_sq: dict[int, torch.Tensor] = {}
+        self._steps: dict[tuple[int, int], torch.Tensor] = {}
+        for u, groups in self._plan.items():
+            numel = self.store.buffers[u].master_host.numel()
+            self._exp_avg[u] = self.store.allocate(numel, torch.float32).zero_()
+            self._exp_avg_sq[u] = self.store.allocate(numel, torch.float32).zero_()
+            for gi in groups:
+                self._steps[(u, gi)] = torch.zeros((), dtype=torch.float32)
+        self._build_state_views()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # validates and maps by position; builds new tensors
+        loaded = {p: dict(self.state[p]) for p in self.state}
+        self._build_state_views()
+        for u, groups in self._plan.items():
+            for gi, entries in groups.items():
+                steps = [float(loaded[e.tensor]["step"]) for e in entries if "step" in loaded.get(e.tensor, {})]
+                self._steps[(u, gi)].fill_(max(steps) if steps else 0.0)
+                for e in entries:
+                    src = loaded.get(e.tensor, {})
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if key in src:
+                            self.state[e.tensor][key].copy_(src[key].reshape(e.shape))
+
+    def _build_state_views(self) -> None:
+        for u, groups in self._plan.items():
+            for gi, entries in groups.items():
+                for e in entries:
+                    self.state[e.tensor] = {
+                        "step": self._steps[(u, gi)],
+                        "exp_avg": self._exp_avg[u][e.offset : e.offset + e.numel].view(e.shape),
+                        "exp_avg_sq": self._exp_avg_sq[u][e.offset : e.offset + e.numel].view(e.shape),
+                    }
+
+    # ------------------------------------------------------------------ update
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for u, groups in self._plan.items():
+            updated = False
+            for gi, entries in groups.items():
+                updated |= self._step_group(u, gi, entries)
+            if updated:
+                self.store.mark_dirty(u)
+                self.store.stage(u)
+        return loss
+
+    def _step_group(self, u: int, gi: int, entries: list[Entry]) -> bool:
+        group = self.param_groups[gi]
+        params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
+        for e in entries:
+            p = e.tensor
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+        if not params:
+            return False
+        step = self._steps[(u, gi)]
+        step += 1
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            [step] * len(params),
+            amsgrad=False,
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            grad_scale=None,
+            found_inf=None,
+        )
+        return True
+
+
+_ADAMW_KEYS = frozenset(
+    {"params", "lr", "betas", "eps", "weight_decay", "maximize", "amsgrad", "foreach", "fused", "capturable",
+     "differentiable", "decoupled_weight_decay"}
+)
+
+
+def convertible(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a plain AdamW that HostAdamW reproduces exactly."""
+    if type(optimizer) is not torch.optim.AdamW:
+        return False
+    return all(not g.get("amsgrad", False) and not g.get("differentiable", False) for g in optimizer.param_groups)

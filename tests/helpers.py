@@ -1,0 +1,141 @@
+"""Shared test fixtures: tiny models of every supported family, data, and Trainer runs.
+
+Real sizes are far larger (e.g. Llama-2-7B: hidden 4096, 32 layers); these keep the structure
+(GQA, biases, q/k norms, sliding-window layer types, tied embeddings, soft-capping) at a size a
+2-core CPU trains in seconds. Reference and megatrain runs build their model separately from the
+same seed, so one run cannot mask the other.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from torch.utils.data import Dataset
+from transformers import Trainer, TrainingArguments
+
+VOCAB = 128
+SEQ = 16
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    attention_dropout=0.1,
+)
+
+FAMILY_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": False}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"head_dim": 16, "sliding_window": 8, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    ),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+}
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
+    config_name, model_name, extra = FAMILY_CONFIGS[family]
+    kwargs = {**_COMMON, **extra, **overrides}
+    if family in ("gemma2", "gemma3_text"):
+        kwargs.setdefault("num_hidden_layers", 2)
+    config = getattr(transformers, config_name)(**kwargs)
+    config._attn_implementation = "sdpa" if family not in ("gemma2",) else "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config)
+    return model.float()
+
+
+class RandomTokens(Dataset):
+    """Deterministic random token sequences (labels = inputs, as in causal LM fine-tuning)."""
+
+    def __init__(self, n: int = 48, seq: int = SEQ, vocab: int = VOCAB, seed: int = 1) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone(), "attention_mask": torch.ones_like(self.ids[i])}
+
+
+def training_args(output_dir, **overrides) -> TrainingArguments:
+    values = dict(
+        output_dir=str(output_dir),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=2e-3,
+        warmup_steps=2,
+        lr_scheduler_type="cosine",
+        weight_decay=0.1,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    values.update(overrides)
+    return TrainingArguments(**values)
+
+
+class LossRecorder:
+    """Records the loss of every forward call of a model (each micro-batch), exactly."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.losses: list[float] = []
+        self._handle = model.register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        loss = getattr(output, "loss", None)
+        if loss is not None and module.training:
+            self.losses.append(loss.detach().float().item())
+
+
+def train(model, args, callbacks=None, plugins=None, dataset=None, eval_dataset=None, resume=None, **trainer_kwargs):
+    """Run a Trainer; returns (trainer, per-micro-batch losses)."""
+    recorder = LossRecorder(model)
+    kwargs = dict(
+        model=model,
+        args=args,
+        train_dataset=dataset if dataset is not None else RandomTokens(),
+        eval_dataset=eval_dataset,
+        callbacks=callbacks,
+        **trainer_kwargs,
+    )
+    if plugins is not None:
+        kwargs["plugins"] = plugins
+    trainer = Trainer(**kwargs)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, recorder.losses
+
+
+def state_of(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone().float() for n, p in model.named_parameters()}
+
+
+def assert_close_params(a: dict, b: dict, atol: float, rtol: float = 0.0) -> None:
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    worst = max(((a[n] - b[n]).abs().max().item(), n) for n in a)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], atol=atol, rtol=rtol, msg=lambda m, n=n: f"{n}: {m} (worst {worst})")
+
+
+def assert_close_losses(ref: list[float], got: list[float], atol: float) -> None:
+    assert len(ref) == len(got) and ref, (len(ref), len(got))
+    diffs = [abs(x - y) for x, y in zip(ref, got)]
+    assert max(diffs) <= atol, f"loss differs by {max(diffs)} at micro-step {diffs.index(max(diffs))}: {ref} vs {got}"
