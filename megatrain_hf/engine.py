@@ -245,11 +245,11 @@ class Engine:
             bool(unit.trainable) or (x.is_floating_point() and x.requires_grad)
         )
         call = _Call(u, rest, kwargs, key)
+        if u == 0 and unit.module.training and torch.is_grad_enabled() and not x.is_floating_point():
+            self.stats.tokens += x.numel()
         if not needs_graph:
             return self._compute(call, x, self.streamer.fetch(u))
         self._check_side_inputs(unit, rest, kwargs)
-        if u == 0 and not x.is_floating_point():
-            self.stats.tokens += x.numel()
         call.kwargs = self._without_cache(unit, kwargs)
         dev_type = self.device.type
         call.autocast = (

@@ -1,0 +1,111 @@
+"""Trainer features through megatrain, each against plain Trainer (CPU, fp32, exact to 1e-6):
+PEFT LoRA with dropout, resume from a mid-run checkpoint, checkpoints loadable by plain
+``from_pretrained``, evaluation loss, ``generate()`` after training, HF activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from helpers import (
+    RandomTokens,
+    assert_close_losses,
+    assert_close_params,
+    state_of,
+    tiny_model,
+    train,
+    training_args,
+)
+from megatrain_hf import MegaTrainPlugin, engine_of
+
+ATOL = 1e-6
+
+
+def _lora(model):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj", "down_proj"])
+    return peft.get_peft_model(model, config)
+
+
+def test_lora_parity(tmp_path):
+    ref = _lora(tiny_model("llama"))
+    _, ref_losses = train(ref, training_args(tmp_path / "ref"))
+    model = _lora(tiny_model("llama"))
+    trainer, losses = train(model, training_args(tmp_path / "mt"), callbacks=[MegaTrainPlugin()])
+    assert_close_losses(ref_losses, losses, ATOL)
+    assert_close_params(state_of(ref), state_of(model), ATOL)
+    # frozen base weights: no fp32 master, no grad, no optimizer state
+    engine = engine_of(model)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert engine.store.trainable_numel() < 2 * trainable  # only adapters (+ alignment padding)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    # the adapter saves and loads like any PEFT adapter
+    trainer.save_model(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_resume_equals_uninterrupted_run(tmp_path):
+    args = dict(save_strategy="steps", save_steps=3)
+    full_model = tiny_model("llama")
+    _, full_losses = train(full_model, training_args(tmp_path / "run", **args), callbacks=[MegaTrainPlugin()])
+
+    resumed = tiny_model("llama", seed=123)  # different init: everything must come from the checkpoint
+    _, resumed_losses = train(
+        resumed,
+        training_args(tmp_path / "run", **args),
+        callbacks=[MegaTrainPlugin()],
+        resume=str(tmp_path / "run" / "checkpoint-3"),
+    )
+    assert_close_losses(full_losses[6:], resumed_losses, ATOL)
+    assert_close_params(state_of(full_model), state_of(resumed), ATOL)
+
+    # the reference agrees with the uninterrupted megatrain run
+    ref = tiny_model("llama")
+    _, ref_losses = train(ref, training_args(tmp_path / "ref"))
+    assert_close_losses(ref_losses, full_losses, ATOL)
+
+
+def test_checkpoint_loads_with_plain_from_pretrained(tmp_path):
+    model = tiny_model("gemma")  # tied embeddings
+    trainer, _ = train(
+        model, training_args(tmp_path / "run", save_strategy="steps", save_steps=3), callbacks=[MegaTrainPlugin()]
+    )
+    trainer.save_model(tmp_path / "final")
+    for path in (tmp_path / "final", tmp_path / "run" / "checkpoint-6"):
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        assert_close_params(state_of(model), state_of(loaded), atol=0.0)
+
+
+def test_eval_loss_and_generate(tmp_path):
+    eval_ds = RandomTokens(n=8, seed=7)
+    ref = tiny_model("qwen3")
+    ref_trainer, _ = train(ref, training_args(tmp_path / "ref"), eval_dataset=eval_ds)
+    model = tiny_model("qwen3")
+    trainer, _ = train(model, training_args(tmp_path / "mt"), eval_dataset=eval_ds, callbacks=[MegaTrainPlugin()])
+    ref_eval = ref_trainer.evaluate()["eval_loss"]
+    got_eval = trainer.evaluate()["eval_loss"]
+    assert abs(ref_eval - got_eval) <= ATOL, (ref_eval, got_eval)
+
+    prompt = torch.tensor([[1, 5, 9, 3]])
+    ref.eval()
+    model.eval()
+    expected = ref.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    got = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(expected, got)
+
+
+def test_activation_checkpointing_flag_is_translated(tmp_path, caplog):
+    """gradient_checkpointing=True: megatrain already recomputes per layer; results stay exact."""
+    ref = tiny_model("llama")
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", gradient_checkpointing=True))
+    model = tiny_model("llama")
+    with caplog.at_level("INFO", logger="megatrain_hf"):
+        _, losses = train(
+            model, training_args(tmp_path / "mt", gradient_checkpointing=True), callbacks=[MegaTrainPlugin()]
+        )
+    assert_close_losses(ref_losses, losses, ATOL)
+    assert_close_params(state_of(ref), state_of(model), ATOL)
+    assert not model.model.layers[0].gradient_checkpointing
+    assert "already checkpoints every layer" in caplog.text
