@@ -1,0 +1,170 @@
+"""Bad input: each case raises the documented error type with advice on what to do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import RandomTokens, tiny_model, training_args
+from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_unsupported_architecture():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match=r"'gpt2'.*not supported.*supported: \[.*'llama'.*register_family"):
+        attach(model, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"fp16": True}, "Use bf16=True"),
+        ({"bf16_full_eval": True}, "Unset it"),
+        ({"torch_compile": True}, "Unset torch_compile"),
+    ],
+)
+def test_refused_training_arguments(tmp_path, overrides, message):
+    from transformers import Trainer
+
+    try:
+        args = training_args(tmp_path, **overrides)
+    except ValueError as exc:  # some combinations are refused by TrainingArguments itself on CPU
+        pytest.skip(f"TrainingArguments refuses {overrides} here already: {exc}")
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match=message):
+        Trainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[MegaTrainPlugin()])
+    assert "forward" not in vars(model.model.layers[0])  # nothing attached, model untouched
+
+
+@pytest.mark.parametrize("field, value, message", [("deepspeed", {"zero_optimization": {"stage": 3}}, "DeepSpeed"), ("fsdp", "full_shard", "FSDP")])
+def test_refused_with_deepspeed_or_fsdp(tmp_path, field, value, message):
+    args = training_args(tmp_path)
+    object.__setattr__(args, field, value)
+    with pytest.raises(ValueError, match=f"{message}.*use one"):
+        MegaTrainPlugin().check_args(args)
+
+
+def test_model_init_refused(tmp_path):
+    from transformers import Trainer
+
+    with pytest.raises(ValueError, match="model_init"):
+        Trainer(model_init=lambda: tiny_model("llama"), args=training_args(tmp_path), callbacks=[MegaTrainPlugin()])
+
+
+def test_non_fp32_model_refused():
+    model = tiny_model("llama").to(torch.bfloat16)
+    with pytest.raises(ValueError, match="dtype=torch.float32"):
+        attach(model, device="cpu")
+
+
+def test_model_not_on_cpu_refused():
+    model = tiny_model("llama").to("meta")
+    with pytest.raises(ValueError, match="needs the model on the CPU"):
+        attach(model, device="cpu")
+
+
+def test_attach_twice_refused():
+    model = tiny_model("llama")
+    engine = attach(model, device="cpu")
+    with pytest.raises(RuntimeError, match="detach"):
+        attach(model, device="cpu")
+    engine.detach()
+
+
+def test_cuda_without_cuda_refused():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        attach(tiny_model("llama"), device="cuda")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"compute_dtype": "fp16"}, "fp16 is not supported"),
+        ({"device": "gpu0"}, "not a torch device"),
+        ({"pin_memory": "yes"}, "allowed: True, False or 'auto'"),
+    ],
+)
+def test_bad_config_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MegaTrainConfig(**kwargs)
+
+
+def test_unknown_config_keys():
+    with pytest.raises(ValueError, match=r"unknown megatrain option\(s\) \['slots_typo'\].*allowed"):
+        MegaTrainConfig.from_dict({"slots_typo": 3})
+
+
+def test_bad_env_config(monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_CONFIG", "{not json")
+    with pytest.raises(ValueError, match="MEGATRAIN_CONFIG is not valid JSON"):
+        MegaTrainConfig.from_env()
+
+
+def test_plugins_kwarg_rejects_other_objects(tmp_path):
+    from transformers import Trainer
+
+    with pytest.raises(TypeError, match="accepts MegaTrainPlugin"):
+        Trainer(model=tiny_model("llama"), args=training_args(tmp_path), plugins=[object()])
+
+
+def test_two_plugins_refused(tmp_path):
+    from transformers import Trainer
+
+    with pytest.raises(ValueError, match="pass one"):
+        Trainer(
+            model=tiny_model("llama"),
+            args=training_args(tmp_path),
+            callbacks=[MegaTrainPlugin()],
+            plugins=[MegaTrainPlugin()],
+        )
+
+
+def test_accelerator_fp16_refused():
+    from megatrain_hf import MegaTrainAccelerator
+
+    with pytest.raises(ValueError, match="mixed_precision='bf16'"):
+        MegaTrainAccelerator(cpu=True, mixed_precision="fp16")
+
+
+def _launch(args, tmp_path):
+    return subprocess.run(
+        [sys.executable, "-m", "megatrain_hf.cli", "launch", *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
+
+
+def test_launch_missing_config(tmp_path):
+    proc = _launch(["--config_file", "nope.yaml", "train.py"], tmp_path)
+    assert proc.returncode == 2
+    assert "does not exist" in proc.stderr and "configs/" in proc.stderr
+
+
+def test_launch_refuses_python_tags_in_yaml(tmp_path):
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("megatrain: !!python/object/apply:os.system ['touch pwned']\n")
+    proc = _launch(["--config_file", str(evil), "train.py"], tmp_path)
+    assert proc.returncode == 2
+    assert "safe_load" in proc.stderr
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_launch_unknown_megatrain_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("compute_environment: LOCAL_MACHINE\nmegatrain:\n  compute_dtyp: bf16\n")
+    proc = _launch(["--config_file", str(cfg), "train.py"], tmp_path)
+    assert proc.returncode == 2
+    assert "compute_dtyp" in proc.stderr and "allowed" in proc.stderr
