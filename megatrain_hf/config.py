@@ -82,12 +82,16 @@ class MegaTrainConfig:
         return dtype
 
     def resolve_device(self, trainer_device: torch.device | None = None) -> torch.device:
-        """The compute device, given the Trainer's device if there is one."""
+        """The compute device, given the Trainer's device if there is one (CUDA with its index)."""
         if self.device is not None:
-            return torch.device(self.device)
-        if trainer_device is not None:
-            return torch.device(trainer_device)
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            device = torch.device(self.device)
+        elif trainer_device is not None:
+            device = torch.device(trainer_device)
+        else:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
 
     def resolve_pin(self, device: torch.device) -> bool:
         if self.pin_memory == "auto":

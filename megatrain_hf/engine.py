@@ -107,6 +107,7 @@ class Engine:
         units = locate_units(model)
         self._check_coverage(model, units)
         self._disable_hf_checkpointing(model)
+        self._check_host_memory(units, dtype, device, config)
         self.store = HostStore(
             list(zip(units.names, units.modules)),
             compute_dtype=dtype,
@@ -147,6 +148,22 @@ class Engine:
                 f"{stray[:5]}. megatrain supports models whose weights are all in the embedding, decoder "
                 "layers, final norm and lm_head."
             )
+
+    @staticmethod
+    def _check_host_memory(units: Units, dtype: torch.dtype, device: torch.device, config: MegaTrainConfig) -> None:
+        """Raise with the arithmetic before allocating, rather than meet the OOM killer later."""
+        from .memory import available_host_bytes, check_host_memory, host_breakdown_for_units
+
+        breakdown = host_breakdown_for_units(
+            list(zip(units.names, units.modules)),
+            compute_dtype=dtype,
+            staging=device.type != "cpu" or dtype != torch.float32,
+            embedding_units=units.embedding_units,
+            optimizer_state=config.replace_adamw,
+        )
+        # The model's current tensors are released as they move into the store.
+        current = sum(p.numel() * p.element_size() for m in units.modules for p in m.parameters())
+        check_host_memory(sum(breakdown.values()), breakdown, available=available_host_bytes() + current)
 
     def _disable_hf_checkpointing(self, model: nn.Module) -> None:
         base = unwrap(model)
@@ -196,10 +213,23 @@ class Engine:
                     self._undo.append(lambda mod=mod, key=key, buf=buf: mod._buffers.__setitem__(key, buf))
         # A device map of 2+ entries keeps Trainer and Accelerate from moving the whole model.
         base = unwrap(model)
+        self._report_compute_device(base)
         device_map = {name: str(self.device) for name in units.names}
         self._set_instance_attr(base, "hf_device_map", device_map)
         self._step_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
         self._undo.append(self._step_hook.remove)
+
+    def _report_compute_device(self, base: nn.Module) -> None:
+        """``model.device`` must name the compute device, not the host (generate() moves inputs there).
+
+        ``device`` is a property of the class, so the instance gets a same-named subclass that
+        overrides it; ``detach`` restores the original class.
+        """
+        cls = type(base)
+        device = self.device
+        namespace = {"device": property(lambda _self: device), "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        base.__class__ = type(cls.__name__, (cls,), namespace)
+        self._undo.append(lambda: setattr(base, "__class__", cls))
 
     def detach(self) -> None:
         """Restore the model's modules (forward, buffers, device map). Parameters stay on the host."""

@@ -168,3 +168,13 @@ def test_launch_unknown_megatrain_key(tmp_path):
     proc = _launch(["--config_file", str(cfg), "train.py"], tmp_path)
     assert proc.returncode == 2
     assert "compute_dtyp" in proc.stderr and "allowed" in proc.stderr
+
+
+def test_host_ram_short_raises_before_allocating(monkeypatch):
+    import megatrain_hf.memory as memory
+
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 1024)
+    model = tiny_model("llama")
+    with pytest.raises(MemoryError, match=r"(?s)GiB.*Fix"):
+        attach(model, device="cpu")
+    assert "forward" not in vars(model.model.layers[0])

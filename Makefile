@@ -1,0 +1,23 @@
+# megatrain_hf: two commands on a fresh machine -- `make demo` and `make test`.
+PY ?= python3
+PIP := $(PY) -m pip
+# torch 2.13.0 first: on a CPU machine it is the local CPU build; an unpinned torch would pull CUDA.
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test test-gpu lint docs clean
+
+install:
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[test]"
+
+demo: install
+	$(PY) examples/demo.py
+
+test: install
+	$(PY) -m pytest -m "not gpu" -q
+
+test-gpu:
+	$(PY) -m pytest -m gpu -q -rs
+
+clean:
+	rm -rf demo_output bench_output .pytest_cache build *.egg-info

@@ -1,0 +1,279 @@
+"""The memory planner: parameter counts, host tiers exact against the real store, GPU estimate
+shape, the MemoryError path and the `megatrain estimate` CLI. CPU only, no network, fast."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from helpers import FAMILY_CONFIGS, tiny_model
+from megatrain_hf import memory, store
+from megatrain_hf.memory import (
+    GiB,
+    PRESETS,
+    ModelShape,
+    check_host_memory,
+    estimate_main,
+    host_breakdown_for_units,
+    largest_model,
+    largest_preset,
+    plan_memory,
+)
+
+TINY_KW = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    tie_word_embeddings=False,
+)
+# sizes that are not multiples of 16 elements, so the 64-byte alignment of the store shows
+ODD_KW = dict(
+    hidden_size=72,
+    intermediate_size=100,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=101,
+)
+
+
+def _units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    decoder = base.get_decoder()
+    mods = [decoder.embed_tokens, *decoder.layers, decoder.norm, base.get_output_embeddings()]
+    return [(f"unit{i}", m) for i, m in enumerate(mods)]
+
+
+def _store_tiers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes the real HostStore allocates (+ HostAdamW's two moments, same numel as the masters)."""
+    hs = store.HostStore(_units(model), compute_dtype=dtype, device=torch.device("cpu"), pin=False,
+                         embedding_units=frozenset({0}))
+    staging = sum(b.staging_host.numel() * b.staging_host.element_size() for b in hs.buffers
+                  if b.staging_host is not None)
+    frozen = sum(t.numel() * t.element_size() for b in hs.buffers for t in b.frozen_host.values())
+    masters = hs.trainable_numel() * 4
+    assert hs.host_bytes() == 2 * masters + staging + frozen
+    return {"master": masters, "grad": masters, "exp_avg": masters, "exp_avg_sq": masters,
+            "staging": staging, "frozen": frozen}
+
+
+# ------------------------------------------------------------------------------------ shapes
+def test_preset_parameter_counts_match_published_figures():
+    published = {
+        "llama-1.36b": 1.36e9,
+        "llama-3.14b": 3.14e9,
+        "llama-7b": 6.74e9,
+        "llama-13b": 13.0e9,
+        "qwen2.5-14b": 14.7e9,
+        "llama-70b": 69.0e9,
+    }
+    for name, expected in published.items():
+        assert PRESETS[name].params() == pytest.approx(expected, rel=0.01), name
+    # exact counts of the released checkpoints
+    assert PRESETS["llama-7b"].params() == 6_738_415_616
+    assert PRESETS["llama-13b"].params() == 13_015_864_320
+    assert PRESETS["llama-70b"].params() == 68_976_648_192
+    assert PRESETS["qwen2.5-14b"].params() == 14_770_033_664
+
+
+def test_tiny_preset_is_the_tests_llama():
+    config = transformers.LlamaConfig(**TINY_KW)
+    model = transformers.LlamaForCausalLM(config)
+    shape = ModelShape.from_hf_config(config, name="tiny")
+    assert shape == PRESETS["tiny"]
+    assert PRESETS["tiny"].params() == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_params_exact_for_every_supported_family(family):
+    model = tiny_model(family)
+    shape = ModelShape.from_hf_config(model.config)
+    assert shape.params() == sum(p.numel() for p in model.parameters())  # tied counted once
+    # the raw config.json dict gives the same shape
+    assert ModelShape.from_hf_config(model.config.to_dict()).params() == shape.params()
+
+
+def test_from_hf_config_nested_text_config_and_moe_refused():
+    nested = {"model_type": "gemma3", "text_config": {**ODD_KW, "model_type": "gemma3_text", "head_dim": 16}}
+    shape = ModelShape.from_hf_config(nested)
+    assert (shape.hidden, shape.head_dim, shape.qk_norm, shape.norms_per_layer, shape.tied) == (72, 16, True, 4, True)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        ModelShape.from_hf_config({**ODD_KW, "model_type": "mixtral", "num_local_experts": 8})
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelShape.from_hf_config({"model_type": "llama"})
+
+
+# ------------------------------------------------------------------------------------ host plan
+def test_alignment_matches_the_store():
+    assert memory._ALIGN_ELEMS == store._ALIGN_ELEMS
+
+
+@pytest.mark.parametrize("kw", [TINY_KW, ODD_KW], ids=["tiny", "odd-sizes"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_host_plan_is_exact_against_the_real_store(kw, dtype):
+    config = transformers.LlamaConfig(**kw)
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    plan = plan_memory(ModelShape.from_hf_config(config), seq_len=8, micro_batch=1, compute_dtype=dtype)
+    from_units = host_breakdown_for_units(_units(transformers.LlamaForCausalLM(config)), compute_dtype=torch_dtype)
+    real = _store_tiers(transformers.LlamaForCausalLM(config), torch_dtype)
+    assert plan.host_breakdown() == real
+    assert from_units == real
+    assert plan.host_total == sum(real.values())
+    if dtype == "fp32":
+        assert plan.host_staging == 0 and plan.bytes_per_trainable_param == pytest.approx(16, rel=0.01)
+
+
+def test_host_plan_is_exact_for_tied_embeddings():
+    model = tiny_model("gemma")  # tied lm_head: counted once, no staging (fp32 embedding)
+    plan = plan_memory(ModelShape.from_hf_config(model.config), seq_len=8, micro_batch=1)
+    assert plan.host_breakdown() == _store_tiers(model, torch.bfloat16)
+
+
+def test_lora_plan_is_exact_against_the_real_store():
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(**ODD_KW)
+    model = peft.get_peft_model(
+        transformers.LlamaForCausalLM(config),
+        peft.LoraConfig(r=4, target_modules=list(memory.LORA_TARGETS), lora_dropout=0.0),
+    )
+    plan = plan_memory(ModelShape.from_hf_config(config), seq_len=8, micro_batch=1, lora_rank=4)
+    assert plan.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan.total_params == sum(p.numel() for p in model.parameters())
+    assert plan.host_breakdown() == _store_tiers(model, torch.bfloat16)
+
+
+def test_llama7b_bf16_bytes_per_parameter():
+    shape = PRESETS["llama-7b"]
+    p = shape.params()
+    plan = plan_memory(shape, seq_len=4096, micro_batch=1, compute_dtype="bf16")
+    # 16 B/param: fp32 master, grad, exp_avg, exp_avg_sq (every size here is a multiple of 16: exact)
+    for tier in (plan.host_master, plan.host_grad, plan.host_exp_avg, plan.host_exp_avg_sq):
+        assert tier == 4 * p
+    # + 2 B staging for the matrices of the layers and lm_head (not the embedding, not the vectors)
+    matrices = shape.layers * (4 * 4096 * 4096 + 3 * 4096 * 11008) + 32000 * 4096
+    assert plan.host_staging == 2 * matrices
+    assert plan.host_frozen == 0
+    assert plan.bytes_per_trainable_param == pytest.approx(17.96, abs=0.01)
+    assert plan.host_total / GiB == pytest.approx(112.72, abs=0.01)
+    fp32 = plan_memory(shape, seq_len=4096, micro_batch=1, compute_dtype="fp32")
+    assert fp32.host_total == 16 * p and fp32.bytes_per_trainable_param == 16
+
+
+def test_lora_70b_host_is_mostly_bf16_base_weights():
+    plan = plan_memory(PRESETS["llama-70b"], seq_len=4096, micro_batch=1, lora_rank=16)
+    assert plan.trainable_params < 0.005 * plan.total_params
+    # ~2 B/param: bf16 base matrices; the fp32 embedding and the adapters' 18 B/param add ~3 %
+    assert 2.0 < plan.host_total / plan.total_params < 2.1
+
+
+# ------------------------------------------------------------------------------------ GPU plan
+def test_gpu_memory_grows_with_depth_only_through_checkpoints():
+    """Doubling the depth adds exactly one fp32 tokens x hidden checkpoint per extra layer;
+    weight slots, working set, grads and logits depend on the width and vocab only."""
+    base = PRESETS["llama-7b"]
+    tokens = 4096
+    shallow = plan_memory(base, seq_len=tokens, micro_batch=1)
+    deep = plan_memory(base.with_layers(2 * base.layers), seq_len=4096, micro_batch=1)
+    assert deep.gpu_total - shallow.gpu_total == base.layers * tokens * base.hidden * 4
+    for key in ("weight_slots", "layer_working_set", "weight_grads", "logits", "runtime"):
+        assert deep.gpu_breakdown()[key] == shallow.gpu_breakdown()[key], key
+    assert deep.host_total > 1.9 * shallow.host_total  # while the host grows with the parameters
+
+
+def test_gpu_items_follow_batch_and_schedule():
+    shape = PRESETS["llama-7b"]
+    one = plan_memory(shape, seq_len=4096, micro_batch=1, grad_accum=4)
+    layer_major = plan_memory(shape, seq_len=4096, micro_batch=1, grad_accum=4, layer_major=True)
+    assert layer_major.gpu_checkpoints == 4 * one.gpu_checkpoints
+    assert layer_major.host_total == one.host_total  # grad accumulators are fp32 whatever the GA
+    # the embedding (fp32 on the wire, 0.49 GiB) is the largest unit of llama-7b: 2 slots of it
+    assert one.gpu_weight_slots == 2 * 32000 * 4096 * 4
+    assert one.gpu_logits == 4096 * 32000 * 14
+    two = plan_memory(shape, seq_len=4096, micro_batch=2)
+    assert two.gpu_layer_working_set == 2 * one.gpu_layer_working_set
+
+
+def test_plan_rejects_bad_values_with_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"compute_dtype='fp16'.*bf16"):
+        plan_memory(PRESETS["tiny"], seq_len=8, micro_batch=1, compute_dtype="fp16")
+    with pytest.raises(ValueError, match="seq_len=0"):
+        plan_memory(PRESETS["tiny"], seq_len=0, micro_batch=1)
+    with pytest.raises(ValueError, match="lora_targets"):
+        plan_memory(PRESETS["tiny"], seq_len=8, micro_batch=1, lora_rank=4, lora_targets=["qkv"])
+    with pytest.raises(ValueError, match="kv_heads"):
+        ModelShape(hidden=64, intermediate=128, layers=1, heads=4, kv_heads=3, vocab=10)
+
+
+def test_table_and_dict():
+    plan = plan_memory(PRESETS["llama-7b"], seq_len=4096, micro_batch=1)
+    text = plan.table()
+    assert "112.72" in text and "25.10" in text and "GPU" in text
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert d["host_total"] == plan.host_total and d["shape"]["params"] == 6_738_415_616
+
+
+# ------------------------------------------------------------------------------------ checks
+def test_check_host_memory_error_shows_the_arithmetic_and_the_fix():
+    plan = plan_memory(PRESETS["llama-7b"], seq_len=4096, micro_batch=1)
+    with pytest.raises(MemoryError) as info:
+        check_host_memory(plan.host_total, plan.host_breakdown(), available=64 * GiB)
+    msg = str(info.value)
+    for number in ("25.10", "12.31", "112.72", "114.72", "64.00", "50.72"):
+        assert number in msg, number
+    assert "Fix" in msg and "LoRA" in msg and "smaller model" in msg
+    spare = check_host_memory(plan.host_total, plan.host_breakdown(), available=125 * GiB)
+    assert spare == 125 * GiB - plan.host_total - 2 * GiB
+    assert plan.check_host(available=125 * GiB) == spare
+    assert memory.available_host_bytes() > 0
+
+
+def test_largest_model_and_preset():
+    base = PRESETS["llama-7b"]
+    exact = plan_memory(base, seq_len=1, micro_batch=1).host_total + 2 * GiB
+    fit = largest_model(exact, base=base)
+    assert fit.deepest.layers == 32 and fit.widest.hidden == 4096
+    assert largest_model(exact - 1, base=base).deepest.layers == 31
+    assert "32 layers" in fit.describe()
+    assert largest_model(GiB, base=base).deepest is None
+    assert largest_preset(125 * GiB) == "llama-7b"
+    assert largest_preset(1024 * GiB) == "qwen2.5-14b"  # 70B needs ~1.2 TB in full precision
+    assert largest_preset(GiB) is None
+    assert largest_preset(1024 * GiB, lora_rank=16) == "llama-70b"
+
+
+# ------------------------------------------------------------------------------------ CLI
+def test_estimate_main_on_a_preset(capsys):
+    assert estimate_main(["--model", "llama-7b", "--host-gib", "125"]) == 0
+    out = capsys.readouterr().out
+    assert "HOST RAM" in out and "112.72" in out and "-> fits" in out
+    assert "largest preset that fits (bf16): llama-7b" in out and "deepest: 35 layers" in out
+    assert estimate_main(["--model", "llama-13b", "--host-gib", "125"]) == 0
+    assert "does NOT fit" in capsys.readouterr().out
+
+
+def test_estimate_main_on_a_saved_config(tmp_path, capsys):
+    transformers.Qwen2Config(**ODD_KW).save_pretrained(tmp_path)
+    expected = ModelShape.from_hf_config(transformers.Qwen2Config(**ODD_KW)).params()
+    assert estimate_main(["--model", str(tmp_path), "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "HOST RAM" in out and str(tmp_path) in out
+    assert estimate_main(["--model", str(tmp_path / "config.json"), "--json", "--dtype", "fp32"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["plan"]["total_params"] == expected and d["plan"]["shape"]["attention_bias"] is True
+    assert d["plan"]["host_staging"] == 0 and isinstance(d["fits_host"], bool)
+
+
+def test_estimate_main_bad_input_exits_2(tmp_path, capsys):
+    assert estimate_main(["--model", "llama-8000b"]) == 2
+    err = capsys.readouterr().err
+    assert "llama-8000b" in err and "llama-7b" in err and "qwen2.5-14b" in err
+    assert estimate_main(["--model", str(tmp_path)]) == 2  # a directory without config.json
+    assert "config.json" in capsys.readouterr().err
+    assert estimate_main(["--model", "tiny", "--dtype", "fp16"]) == 2  # argparse choices
+    assert estimate_main(["--model", "tiny", "--seq-len", "0"]) == 2
