@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: GPU tests, then training/benchmark runs; everything lands in
+# $OUT/results.tar.gz (+ summary.txt), since only a few files come back.
+#   STAGES="tests train1b" bash scripts/gpu_suite.sh
+set -u
+OUT=${OUT:-/tmp/out}
+R=/tmp/megatrain_results
+mkdir -p "$R" "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+STAGES=${STAGES:-"tests train1b"}
+summary() { echo "$*" | tee -a "$R/summary.txt"; }
+summary "commit $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ) stages: $STAGES"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$R/summary.txt" 2>&1
+python3 -c "import torch,transformers,accelerate,peft,sys;print(sys.version.split()[0],torch.__version__,transformers.__version__,accelerate.__version__,peft.__version__)" >> "$R/summary.txt" 2>&1
+nproc >> "$R/summary.txt"; free -g | head -2 >> "$R/summary.txt"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$R/pip.log" 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+for stage in $STAGES; do
+  start=$(date +%s)
+  case $stage in
+    tests)
+      MEGATRAIN_GPU_REPORT=$R/gpu_parity.jsonl timeout 420 python3 -m pytest -m gpu tests/gpu -q -rs -x > "$R/gpu_tests.log" 2>&1
+      summary "tests rc=$? $(tail -1 "$R/gpu_tests.log")";;
+    train1b)
+      for sys in megatrain plain; do
+        timeout 300 python3 scripts/gpu_train.py --system $sys --steps 20 --checkpointing --out "$R/train1b_$sys.json" > "$R/train1b_$sys.log" 2>&1
+        summary "train1b $sys rc=$? $(tail -1 "$R/train1b_$sys.log" | cut -c1-400)"
+      done;;
+    bench*)
+      # BENCH_ARGS_<stage> holds the arguments, e.g. BENCH_ARGS_bench3b="--model llama-3.14b ..."
+      var="BENCH_ARGS_${stage}"
+      timeout 540 python3 -m megatrain_hf.cli bench ${!var} --out "$R/$stage" > "$R/$stage.log" 2>&1
+      summary "$stage rc=$? $(tail -3 "$R/$stage.log" | cut -c1-600)";;
+    *) summary "unknown stage $stage";;
+  esac
+  summary "stage $stage took $(( $(date +%s) - start )) s"
+done
+tar -czf "$OUT/results.tar.gz" -C "$R" .
+cp "$R/summary.txt" "$OUT/summary.txt"
+cat "$R/summary.txt"
