@@ -80,4 +80,7 @@ def useful_flops_per_step(params: int, shape: ModelShape, seq_len: int, tokens_p
     return 6.0 * params * tokens_per_step + 12.0 * shape.layers * shape.hidden * seq_len * tokens_per_step
 
 
-FLOPS_FORMULA = "TFLOPS = (6 * P * T + 12 * L * H * S * T) / step_time / 1e12; P trainable params, T tokens per optimizer step, L layers, H hidden, S sequence length; recompute not counted"
+FLOPS_FORMULA = (
+    "TFLOPS = (6 * P * T + 12 * L * H * S * T) / step_time / 1e12; P trainable params, T tokens per optimizer "
+    "step, L layers, H hidden, S sequence length; recompute not counted"
+)

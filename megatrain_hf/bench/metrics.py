@@ -1,0 +1,198 @@
+"""What a benchmark worker measures while Trainer trains: step times, memory, losses, link bytes.
+
+- :class:`StepTimer` is a ``TrainerCallback``. Each optimizer step is timed from the end of the
+  previous step to the end of this one (so data loading, logging and anything a system defers
+  across the step boundary are all paid for), and split at Trainer's own events: ``between``
+  (previous step end -> ``on_step_begin``: logging, fetching the step's batches), ``fwd_bwd``
+  (-> ``on_pre_optimizer_step``: every micro-batch's forward + backward, and gradient clipping),
+  ``optimizer`` (-> ``on_optimizer_step``), ``post`` (-> ``on_step_end``: scheduler, zero_grad).
+  On CUDA every boundary synchronizes the device first, so GPU work is charged to the phase that
+  queued it. Systems do different work in the same phase (DeepSpeed steps its optimizer inside
+  backward), so compare phase times across systems with care; compare totals freely.
+- It also reads the losses Trainer logs (``logging_steps=1``) and, for megatrain, the engine's
+  counters (``engine_of(model).stats``) as increments that survive the plugin resetting them.
+- :class:`ResourceSampler` is a background thread sampling host RSS (and, on CUDA, device memory
+  in use as the driver sees it) every 50 ms; ``stop()`` joins it.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import statistics
+import threading
+import time
+from typing import Any
+
+import psutil
+import torch
+from transformers import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("between", "fwd_bwd", "optimizer", "post")
+
+
+class StepTimer(TrainerCallback):
+    """Per-optimizer-step wall times, phase split, logged losses and engine counter increments."""
+
+    def __init__(self, cuda_sync: bool) -> None:
+        self.cuda_sync = cuda_sync
+        self.steps: list[dict[str, Any]] = []
+        self.losses: dict[int, float] = {}
+        self.grad_norms: dict[int, float] = {}
+        self.engine_logs: dict[int, dict[str, float]] = {}
+        self._marks: dict[str, float] = {}
+        self._last_end: float | None = None
+        self._counters_seen: dict[str, int] = {}
+        self._counters_step: dict[str, int] = {}
+
+    def _now(self) -> float:
+        if self.cuda_sync:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._last_end = self._now()
+        self._read_counters(kwargs.get("model"))
+        self._counters_step = {}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._marks = {"begin": self._now()}
+        self._read_counters(kwargs.get("model"))
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._marks["pre_opt"] = self._now()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._marks["opt"] = self._now()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        end = self._now()
+        self._read_counters(kwargs.get("model"))
+        begin = self._marks.get("begin", end)
+        pre_opt = self._marks.get("pre_opt", end)
+        opt = self._marks.get("opt", pre_opt)
+        start = self._last_end if self._last_end is not None else begin
+        self.steps.append(
+            {
+                "step": state.global_step,
+                "total_s": end - start,
+                "between_s": begin - start,
+                "fwd_bwd_s": pre_opt - begin,
+                "optimizer_s": opt - pre_opt,
+                "post_s": end - opt,
+                "engine_counters": dict(self._counters_step) or None,
+            }
+        )
+        self._counters_step = {}
+        self._last_end = end
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        logs = logs or {}
+        if "loss" in logs:
+            self.losses[state.global_step] = float(logs["loss"])
+        if logs.get("grad_norm") is not None:
+            self.grad_norms[state.global_step] = float(logs["grad_norm"])
+        engine_logs = {k: float(v) for k, v in logs.items() if k.startswith("megatrain/")}
+        if engine_logs:
+            self.engine_logs[state.global_step] = engine_logs
+
+    def _read_counters(self, model) -> None:
+        """Add to this step the increase of every int counter of the megatrain engine's stats.
+
+        The plugin resets the counters when it logs; a value lower than the last one seen means a
+        reset happened in between, so the whole current value is new.
+        """
+        stats = _engine_stats(model)
+        if stats is None:
+            return
+        for name, value in _int_fields(stats).items():
+            last = self._counters_seen.get(name, 0)
+            increment = value - last if value >= last else value
+            self._counters_step[name] = self._counters_step.get(name, 0) + increment
+            self._counters_seen[name] = value
+
+
+def _engine_stats(model) -> Any | None:
+    if model is None:
+        return None
+    try:
+        from megatrain_hf import engine_of
+    except ImportError:
+        return None
+    engine = engine_of(model)
+    return getattr(engine, "stats", None) if engine is not None else None
+
+
+def _int_fields(stats: Any) -> dict[str, int]:
+    names = ("h2d_bytes", "d2h_bytes", "forward_units", "backward_units", "tokens")
+    found = {name: getattr(stats, name, None) for name in names}
+    extra = {k: v for k, v in vars(stats).items() if not k.startswith("_")} if hasattr(stats, "__dict__") else {}
+    found.update(extra)
+    return {k: int(v) for k, v in found.items() if isinstance(v, int) and not isinstance(v, bool)}
+
+
+class ResourceSampler:
+    """Background sampler of host RSS and (optionally) CUDA device memory in use."""
+
+    def __init__(self, interval_s: float = 0.05, cuda_device: int | None = None) -> None:
+        self.interval_s = interval_s
+        self.cuda_device = cuda_device
+        self.peak_rss_bytes = 0
+        self.peak_device_used_bytes: int | None = None
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-resource-sampler", daemon=True)
+
+    def start(self) -> ResourceSampler:
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        self.peak_rss_bytes = max(self.peak_rss_bytes, self._process.memory_info().rss)
+        # The driver's view (includes the CUDA context and memory outside PyTorch's allocator);
+        # only once the main thread created the context, so sampling never creates one itself.
+        if self.cuda_device is not None and torch.cuda.is_initialized():
+            free, total = torch.cuda.mem_get_info(self.cuda_device)
+            self.peak_device_used_bytes = max(self.peak_device_used_bytes or 0, total - free)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sample()
+            except Exception as exc:  # noqa: BLE001 -- a sampler must never take the benchmark down
+                logger.warning("resource sampling failed: %s", exc)
+                return
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._sample()
+
+
+def ru_maxrss_bytes() -> int:
+    """Peak RSS of this process per the kernel (``ru_maxrss`` is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def summarize_steps(steps: list[dict[str, Any]], warmup_steps: int) -> dict[str, Any]:
+    """Mean/median of the measured steps (warmup steps dropped) and mean phase times."""
+    measured = [s for s in steps if s["step"] > warmup_steps]
+    if not measured:
+        raise RuntimeError(f"no measured step: {len(steps)} steps ran, {warmup_steps} of them warmup")
+    totals = [s["total_s"] for s in measured]
+    summary = {
+        "measured_steps": len(measured),
+        "step_time_mean_s": statistics.fmean(totals),
+        "step_time_median_s": statistics.median(totals),
+        "step_time_min_s": min(totals),
+        "step_time_max_s": max(totals),
+        "phases_mean_s": {p: statistics.fmean(s[f"{p}_s"] for s in measured) for p in PHASES},
+    }
+    counters = [s["engine_counters"] for s in measured if s.get("engine_counters")]
+    if counters:
+        names = sorted(set().union(*counters))
+        summary["engine_counters_per_step"] = {n: statistics.fmean(c.get(n, 0) for c in counters) for n in names}
+    return summary

@@ -1,0 +1,269 @@
+"""One benchmarked system in its own process: ``python -m megatrain_hf.bench.worker --system X``.
+
+A fresh process per system makes peak host RSS and GPU memory that system's own, and lets one
+crash or out-of-memory leave the others running. The worker builds the model from a
+``LlamaConfig`` (fp32, random init, seeded), trains ``warmup + steps`` optimizer steps of random
+token ids through ``Trainer`` and writes one JSON object to ``--json-out``: ``status`` "ok" with
+the measurements, or "unavailable" / "failed" with the real error text and no numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+from .presets import ModelShape, add_shape_arguments, shape_from_args, useful_flops_per_step
+from .systems import DISTRIBUTED_SYSTEMS, SYSTEMS, SystemCheck, extra_callbacks, training_arguments
+
+logger = logging.getLogger(__name__)
+
+
+class Unavailable(RuntimeError):
+    """The system cannot run here (a dependency or a device is missing); the message says which."""
+
+
+class RandomTokens:
+    """``torch.utils.data.Dataset`` of random token ids; sample ``i`` depends only on (seed, i)."""
+
+    def __init__(self, n_samples: int, seq_len: int, vocab: int, seed: int) -> None:
+        self.n_samples, self.seq_len, self.vocab, self.seed = n_samples, seq_len, vocab, seed
+
+    def __len__(self) -> int:
+        return self.n_samples
+
+    def __getitem__(self, i: int) -> dict:
+        import torch
+
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        ids = torch.randint(0, self.vocab, (self.seq_len,), generator=gen)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megatrain_hf.bench.worker", description=__doc__)
+    p.add_argument("--system", required=True, choices=SYSTEMS)
+    p.add_argument("--json-out", required=True)
+    add_shape_arguments(p)
+    p.add_argument("--seq-len", type=int, required=True)
+    p.add_argument("--micro-batch", type=int, required=True)
+    p.add_argument("--grad-accum", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--warmup-steps", type=int, required=True)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), required=True)
+    p.add_argument("--device", choices=("cuda", "cpu"), required=True)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def check_available(system: str, device: str) -> None:
+    """Raise :class:`Unavailable` with the reason when ``system`` cannot run on ``device`` here."""
+    import torch
+
+    if system == "deepspeed":
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as exc:  # ImportError, or a broken install raising anything else
+            raise Unavailable(f"deepspeed cannot be imported: {type(exc).__name__}: {exc}") from exc
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Unavailable(f"--device cuda but torch.cuda.is_available() is False (torch {torch.__version__})")
+    if system in DISTRIBUTED_SYSTEMS and device != "cuda":
+        raise Unavailable(f"{system} with CPU offload streams to a CUDA device; --device {device} was given")
+
+
+def build_model(shape: ModelShape, seq_len: int, seed: int):
+    """Random-init fp32 Llama of ``shape`` (through ``from_config``: ZeRO-3 partitions it at build)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        vocab_size=shape.vocab,
+        max_position_embeddings=max(seq_len, 2048),
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def trainable_params(model) -> int:
+    """Trainable parameter count (``ds_numel``: ZeRO-3 leaves each local param with 0 elements)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)
+
+
+def _cuda_index() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Build, train, measure. Raises on any failure (classified by :func:`main`)."""
+    import torch
+    from transformers import Trainer
+
+    from .metrics import ResourceSampler, StepTimer
+
+    check_available(args.system, args.device)
+    shape = shape_from_args(args)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(_cuda_index())
+    sampler = ResourceSampler(cuda_device=_cuda_index() if cuda else None).start()
+    setup: dict[str, float] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"bench-{args.system}-") as tmp:
+            t0 = time.perf_counter()
+            targs = training_arguments(
+                args.system, output_dir=tmp, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
+                max_steps=args.warmup_steps + args.steps, bf16=args.dtype == "bf16", use_cpu=not cuda, seed=args.seed,
+            )  # before the model: under ZeRO-3, from_config then builds it partitioned (zero.Init)
+            model = build_model(shape, args.seq_len, args.seed)
+            params = trainable_params(model)
+            setup["model_build_s"] = time.perf_counter() - t0
+            n_samples = (args.warmup_steps + args.steps) * args.grad_accum * args.micro_batch
+            data = RandomTokens(n_samples, args.seq_len, shape.vocab, args.seed)
+            timer, check = StepTimer(cuda_sync=cuda), SystemCheck(args.system)
+            t1 = time.perf_counter()
+            trainer = Trainer(model=model, args=targs, train_dataset=data,
+                              callbacks=[timer, check, *extra_callbacks(args.system)])
+            check.trainer = trainer
+            setup["trainer_init_s"] = time.perf_counter() - t1
+            t2 = time.perf_counter()
+            trainer.train()
+            setup["train_total_s"] = time.perf_counter() - t2
+            attn = getattr(model.config, "_attn_implementation", None)
+    finally:
+        sampler.stop()
+    result = measurements(args, shape, params, timer, sampler)
+    result["setup_s"] = setup
+    result["system_check"] = check.facts
+    result["attn_implementation"] = attn
+    return result
+
+
+def measurements(args, shape: ModelShape, params: int, timer, sampler) -> dict[str, Any]:
+    """The numbers of a successful run (see the module docstring of :mod:`.metrics`)."""
+    import torch
+
+    from .metrics import ru_maxrss_bytes, summarize_steps
+
+    summary = summarize_steps(timer.steps, args.warmup_steps)
+    tokens = args.micro_batch * args.seq_len * args.grad_accum
+    flops = useful_flops_per_step(params, shape, args.seq_len, tokens)
+    mean_s, median_s = summary["step_time_mean_s"], summary["step_time_median_s"]
+    gib = 2**30
+    cuda = args.device == "cuda"
+    result: dict[str, Any] = {
+        "status": "ok",
+        "params": params,
+        "tokens_per_step": tokens,
+        "useful_flops_per_step": flops,
+        **summary,
+        "tokens_per_s": tokens / mean_s,
+        "tokens_per_s_median_step": tokens / median_s,
+        "tflops": flops / mean_s / 1e12,
+        "gpu_peak_allocated_gib": torch.cuda.max_memory_allocated(_cuda_index()) / gib if cuda else None,
+        "gpu_peak_reserved_gib": torch.cuda.max_memory_reserved(_cuda_index()) / gib if cuda else None,
+        "gpu_peak_device_used_gib": (sampler.peak_device_used_bytes / gib
+                                     if sampler.peak_device_used_bytes is not None else None),
+        "host_peak_rss_gib": sampler.peak_rss_bytes / gib,
+        "host_ru_maxrss_gib": ru_maxrss_bytes() / gib,
+        "losses": [{"step": s, "loss": v} for s, v in sorted(timer.losses.items())],
+        "grad_norms": [{"step": s, "grad_norm": v} for s, v in sorted(timer.grad_norms.items())],
+        "engine_logs": [{"step": s, **v} for s, v in sorted(timer.engine_logs.items())],
+        "steps": timer.steps,
+    }
+    result.update(link_bytes(args.system, summary.get("engine_counters_per_step")))
+    return result
+
+
+def link_bytes(system: str, counters: dict[str, float] | None) -> dict[str, Any]:
+    """Host<->device bytes per optimizer step: megatrain's engine counts them; others are not instrumented."""
+    if system != "megatrain":
+        return {"link_bytes_per_step": None,
+                "link_note": f"{system}: host<->device traffic is not instrumented by the benchmark"}
+    if not counters or "h2d_bytes" not in counters:
+        return {"link_bytes_per_step": None,
+                "link_note": "megatrain engine counters (engine_of(model).stats.h2d_bytes/d2h_bytes) not found"}
+    h2d, d2h = counters["h2d_bytes"], counters.get("d2h_bytes", 0.0)
+    return {"link_bytes_per_step": {"h2d": h2d, "d2h": d2h, "total": h2d + d2h},
+            "link_note": "megatrain engine counters (engine_of(model).stats), mean over measured steps"}
+
+
+def environment() -> dict[str, Any]:
+    """What this worker ran on, as seen from inside it."""
+    import platform
+
+    import torch
+    import transformers
+
+    env: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__,
+                           "transformers": transformers.__version__, "cuda_runtime": torch.version.cuda}
+    for name in ("accelerate", "deepspeed"):
+        module = sys.modules.get(name)
+        env[name] = getattr(module, "__version__", None) if module else None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        env["gpu"] = torch.cuda.get_device_name(_cuda_index())
+    return env
+
+
+def _failure(exc: BaseException) -> dict[str, Any]:
+    import torch
+
+    tb = traceback.format_exc()
+    if isinstance(exc, Unavailable):
+        return {"status": "unavailable", "reason": str(exc)}
+    text = str(exc).lower()
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text:
+        return {"status": "failed", "reason": f"out of memory: {type(exc).__name__}: {exc}", "traceback": tb}
+    return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}", "traceback": tb}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one system; always write the JSON (exit 0 unless even that is impossible)."""
+    args = parse_args(argv)
+    try:
+        result = train(args)
+    except Exception as exc:  # any failure becomes a reported "failed" or "unavailable"
+        logger.exception("%s failed", args.system)
+        result = _failure(exc)
+    result["system"] = args.system
+    try:
+        result["env"] = environment()
+    except Exception as exc:  # noqa: BLE001 -- never lose the result for want of version strings
+        result["env"] = {"error": repr(exc)}
+    tmp_path = args.json_out + ".tmp"
+    with open(tmp_path, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    os.replace(tmp_path, args.json_out)
+    _shutdown_distributed()
+    return 0
+
+
+def _shutdown_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    code = main()
+    # The result is on disk. Skip interpreter teardown: freeing tens of GB of pinned memory and
+    # joining library threads (DeepSpeed's) can take minutes or hang, and would count against
+    # --timeout; the kernel reclaims everything at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
