@@ -54,6 +54,17 @@ class MegaTrainConfig:
     `HostAdamW` with the same groups and hyper-parameters: same math, state kept in per-layer
     host flats next to the masters. Other optimizers are always kept as they are."""
 
+    exact_clipping: bool = True
+    """Gradient clipping multiplies the gradients by the clip coefficient before the update,
+    exactly like ``torch.nn.utils.clip_grad_norm_`` (bitwise parity with plain Trainer). False:
+    the fused update divides by the inverse coefficient on the fly -- one pass over the
+    gradients less, results differ in the last bit when clipping triggers."""
+
+    check_host_memory: bool = True
+    """Before allocating, compare the host bytes the plan needs with the RAM available and raise
+    with the arithmetic if it does not fit. Turn off only where the OS reports less available
+    memory than it will grant (e.g. VMs whose RAM grows on use)."""
+
     def __post_init__(self) -> None:
         if self.device is not None:
             try:

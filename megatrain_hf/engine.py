@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .adapters import Units, locate_units, unwrap
 from .config import MegaTrainConfig
+from .grads import GradSink
 from .store import Entry, HostStore
 from .streamer import Streamer
 from .template import Template, TemplateCache
@@ -72,9 +74,12 @@ class EngineStats:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     tokens: int = 0  # token ids entering the embedding in training calls
+    optimizer_wait_s: float = 0.0  # training thread blocked on a background HostAdamW update
+    grad_wait_s: float = 0.0  # end of backward blocked on the last gradient accumulations
 
     def reset(self) -> None:
         self.forward_units = self.backward_units = self.h2d_bytes = self.d2h_bytes = self.tokens = 0
+        self.optimizer_wait_s = self.grad_wait_s = 0.0
 
 
 class _StreamedUnit(torch.autograd.Function):
@@ -82,11 +87,12 @@ class _StreamedUnit(torch.autograd.Function):
     def forward(ctx, engine: "Engine", call: _Call, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ctx.engine, ctx.call = engine, call
         ctx.save_for_backward(x)  # the activation checkpoint of this unit
-        return engine._compute(call, x, engine.streamer.fetch(call.unit))
+        return engine._compute(call, x, engine.streamer.fetch(call.unit, prefetch=call.unit + 1))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
+        ctx.engine._at_backward_end()
         grad_x = ctx.engine._recompute_backward(ctx.call, x, grad_out)
         ctx.call = None
         return None, None, None, grad_x
@@ -107,7 +113,8 @@ class Engine:
         units = locate_units(model)
         self._check_coverage(model, units)
         self._disable_hf_checkpointing(model)
-        self._check_host_memory(units, dtype, device, config)
+        if config.check_host_memory:
+            self._check_host_memory(units, dtype, device, config)
         self.store = HostStore(
             list(zip(units.names, units.modules)),
             compute_dtype=dtype,
@@ -116,6 +123,7 @@ class Engine:
             embedding_units=units.embedding_units,
         )
         self.streamer = Streamer(self.store, device, self.stats)
+        self.grads = GradSink(self.store, device, self.stats)
         templates = TemplateCache()
         self.units: list[_Unit] = []
         for u, (name, module) in enumerate(zip(units.names, units.modules)):
@@ -125,6 +133,7 @@ class Engine:
             )
         self.num_templates = len(templates)
         self.anchor = torch.zeros((), device=device, requires_grad=True)
+        self._end_queued = False
         self._install(model, units)
         logger.info(
             "megatrain attached: %d units (%d templates), %.1fM trainable params, %.2f GiB host, "
@@ -216,6 +225,8 @@ class Engine:
         self._report_compute_device(base)
         device_map = {name: str(self.device) for name in units.names}
         self._set_instance_attr(base, "hf_device_map", device_map)
+        hook = base.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize())
+        self._undo.append(hook.remove)
         self._step_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
         self._undo.append(self._step_hook.remove)
 
@@ -231,11 +242,35 @@ class Engine:
         base.__class__ = type(cls.__name__, (cls,), namespace)
         self._undo.append(lambda: setattr(base, "__class__", cls))
 
+    def _at_backward_end(self) -> None:
+        """Once per backward pass: have autograd wait for the gradient sink when the pass ends."""
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self._end_queued = False
+        self.streamer.drop_prefetched()
+        started = time.perf_counter()
+        self.grads.wait()  # when backward() returns, every param.grad is complete
+        self.stats.grad_wait_s += time.perf_counter() - started
+
+    def synchronize(self) -> None:
+        """Wait for background work (gradient accumulation, optimizer updates) and re-raise its errors.
+
+        Needed only when your own code reads parameters right after ``optimizer.step()`` with
+        HostAdamW; Trainer's save, evaluate and the end of ``train()`` do it already.
+        """
+        self.grads.wait()
+        self.store.synchronize()
+
     def detach(self) -> None:
         """Restore the model's modules (forward, buffers, device map). Parameters stay on the host."""
+        self.synchronize()
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
+        self.grads.close()
         self.store.release()
         if getattr(self.model, "_megatrain_engine", None) is self:
             del self.model._megatrain_engine
@@ -278,7 +313,7 @@ class Engine:
         if u == 0 and unit.module.training and torch.is_grad_enabled() and not x.is_floating_point():
             self.stats.tokens += x.numel()
         if not needs_graph:
-            return self._compute(call, x, self.streamer.fetch(u))
+            return self._compute(call, x, self.streamer.fetch(u, prefetch=u + 1))
         self._check_side_inputs(unit, rest, kwargs)
         call.kwargs = self._without_cache(unit, kwargs)
         dev_type = self.device.type
@@ -367,7 +402,7 @@ class Engine:
                 torch.set_rng_state(call.cpu_rng)
                 if call.dev_rng is not None:
                     torch.cuda.set_rng_state(call.dev_rng, self.device)
-            tensors = self.streamer.fetch(call.unit)
+            tensors = self.streamer.fetch(call.unit, prefetch=call.unit - 1 if call.unit > 0 else None)
             leaves = []
             for e in unit.trainable:
                 leaf = tensors[e.name].detach().requires_grad_(True)
@@ -381,11 +416,8 @@ class Engine:
             inputs = ([x_in] if x_grad else []) + leaves
             grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
         grad_x = grads[0] if x_grad else None
-        for e, g in zip(unit.trainable, grads[1 if x_grad else 0 :]):
-            if g is not None:
-                if g.device.type != "cpu":
-                    self.stats.d2h_bytes += g.numel() * g.element_size()
-                self.store.accumulate_grad(e, g)
+        if leaves:
+            self.grads.submit(call.unit, unit.trainable, list(grads[1 if x_grad else 0 :]))
         self.stats.backward_units += 1
         return grad_x
 

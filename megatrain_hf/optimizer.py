@@ -13,11 +13,16 @@ NOTE: it subclasses ``torch.optim.Optimizer`` so that HF's LR schedulers, ``zero
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 from collections import defaultdict
 
 import torch
 
 from .store import Entry, HostStore
+
+logger = logging.getLogger(__name__)
 
 
 class HostAdamW(torch.optim.Optimizer):
@@ -32,6 +37,8 @@ class HostAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         maximize: bool = False,
+        asynchronous: bool = True,
+        exact_clipping: bool = True,
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -40,12 +47,21 @@ class HostAdamW(torch.optim.Optimizer):
         if weight_decay < 0.0:
             raise ValueError(f"HostAdamW weight_decay={weight_decay}: must be >= 0")
         self.store = store
+        self.asynchronous = asynchronous
+        self.exact_clipping = exact_clipping
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self._build_state()
+        self._grad_scale: tuple | None = None
+        if asynchronous:
+            self._jobs: queue.Queue = queue.Queue()
+            self._cond = threading.Condition()
+            self._pending = 0
+            self._worker = threading.Thread(target=self._worker_loop, name="megatrain-adamw", daemon=True)
+            self._worker.start()
 
     @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.Optimizer, store: HostStore) -> "HostAdamW":
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, store: HostStore, **kwargs) -> "HostAdamW":
         """A HostAdamW with ``optimizer``'s param groups and hyper-parameters (a fresh AdamW)."""
         groups = []
         for g in optimizer.param_groups:
@@ -53,7 +69,7 @@ class HostAdamW(torch.optim.Optimizer):
                 {k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay", "maximize") if k in g}
                 | {k: v for k, v in g.items() if k not in _ADAMW_KEYS}
             )
-        return cls(groups, store)
+        return cls(groups, store, **kwargs)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_plan", None) is not None:
@@ -85,6 +101,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._build_state_views()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self.synchronize()
         super().load_state_dict(state_dict)  # validates and maps by position; builds new tensors
         loaded = {p: dict(self.state[p]) for p in self.state}
         self._build_state_views()
@@ -109,22 +126,55 @@ class HostAdamW(torch.optim.Optimizer):
                     }
 
     # ------------------------------------------------------------------ update
+    def set_clip_coef(self, coef: torch.Tensor | None) -> None:
+        """Scale the gradients by ``coef`` (< 1: clipping) in the next update, unit by unit.
+
+        ``exact_clipping`` multiplies the gradients first, exactly as
+        ``torch.nn.utils.clip_grad_norm_`` does (bitwise-equal results); otherwise the fused
+        kernel divides by ``1 / coef`` on the fly, saving one pass over the gradients at the
+        price of a last-bit difference.
+        """
+        if coef is None or float(coef) >= 1.0:
+            self._grad_scale = None
+        elif self.exact_clipping:
+            self._grad_scale = ("mul", coef.detach().to(torch.float32).cpu())
+        else:
+            self._grad_scale = ("div", torch.reciprocal(coef.detach().to(torch.float32).cpu()))
+
     @torch.no_grad()
     def step(self, closure=None):
+        """Snapshot hyper-parameters and gradients now, update unit by unit in the background.
+
+        Returns at once when ``asynchronous``: unit 0 is updated first, and the engine's next
+        fetch of a unit waits for that unit only, so the update overlaps the next forward.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.synchronize()
+        if self.store.device.type == "cuda":
+            torch.cuda.synchronize(self.store.device)  # no upload still reads a staging buffer
+        grad_scale, self._grad_scale = getattr(self, "_grad_scale", None), None
+        jobs = []
         for u, groups in self._plan.items():
-            updated = False
-            for gi, entries in groups.items():
-                updated |= self._step_group(u, gi, entries)
-            if updated:
-                self.store.mark_dirty(u)
-                self.store.stage(u)
+            work = [self._snapshot(u, gi, entries, grad_scale) for gi, entries in groups.items()]
+            work = [w for w in work if w is not None]
+            if work:
+                self.store.begin_update(u)
+                jobs.append((u, work))
+        if not self.asynchronous:
+            for job in jobs:
+                self._run_job(job)
+            self.store.raise_error()
+            return loss
+        with self._cond:
+            self._pending += len(jobs)
+        for job in jobs:
+            self._jobs.put(job)
         return loss
 
-    def _step_group(self, u: int, gi: int, entries: list[Entry]) -> bool:
+    def _snapshot(self, u: int, gi: int, entries: list[Entry], grad_scale) -> tuple | None:
         group = self.param_groups[gi]
         params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
         for e in entries:
@@ -133,32 +183,80 @@ class HostAdamW(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             params.append(p)
-            grads.append(p.grad)
+            grads.append(p.grad)  # the tensor itself: zero_grad() may drop p.grad meanwhile
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
         if not params:
-            return False
-        step = self._steps[(u, gi)]
-        step += 1
+            return None
         beta1, beta2 = group["betas"]
-        torch._fused_adamw_(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            [],
-            [step] * len(params),
-            amsgrad=False,
-            lr=group["lr"],
+        lr = group["lr"]
+        hyper = dict(
+            lr=lr.clone() if isinstance(lr, torch.Tensor) else lr,
             beta1=beta1,
             beta2=beta2,
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=group["maximize"],
-            grad_scale=None,
-            found_inf=None,
         )
-        return True
+        return self._steps[(u, gi)], params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale
+
+    def _run_job(self, job) -> None:
+        u, work = job
+        error = None
+        try:
+            for step, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale in work:
+                step += 1
+                divide_by = None
+                if grad_scale is not None:
+                    how, value = grad_scale
+                    if how == "mul":
+                        torch._foreach_mul_(grads, value)
+                    else:
+                        divide_by = value
+                torch._fused_adamw_(
+                    params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params),
+                    amsgrad=False, grad_scale=divide_by, found_inf=None, **hyper,
+                )
+            self.store.mark_dirty(u)
+            self.store.stage(u)  # the compute-dtype copy, while the masters are warm
+        except BaseException as exc:  # surfaced in the training thread by the next wait
+            logger.exception("HostAdamW update of unit %d failed", u)
+            error = exc
+        finally:
+            self.store.end_update(u, error)
+
+    def _worker_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._run_job(job)
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    def synchronize(self) -> None:
+        """Wait for the background update of the last ``step()``; re-raise its failure."""
+        if self.asynchronous:
+            with self._cond:
+                while self._pending:
+                    self._cond.wait(timeout=1.0)
+                    if not self._worker.is_alive():
+                        raise RuntimeError("HostAdamW worker thread died")
+        self.store.raise_error()
+
+    def state_dict(self):
+        self.synchronize()
+        return super().state_dict()
+
+    def close(self) -> None:
+        """Stop the worker thread (after finishing pending updates)."""
+        if self.asynchronous and self._worker.is_alive():
+            self.synchronize()
+            self._jobs.put(None)
+            self._worker.join(timeout=60)
 
 
 _ADAMW_KEYS = frozenset(

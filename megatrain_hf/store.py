@@ -22,6 +22,7 @@ Placement suffixes: ``_host`` lives in host RAM, ``_dev`` on the compute device.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -120,6 +121,12 @@ class HostStore:
         self._param_home: dict[int, tuple[int, Entry]] = {}
         self._plan(units, embedding_units)
         self._allocate()
+        # Readiness of each unit's masters: cleared while a background update runs on them.
+        self._ready = [threading.Event() for _ in self.entries]
+        for event in self._ready:
+            event.set()
+        self.generation = [0] * len(self.entries)  # bumped whenever a unit's masters change
+        self.error: BaseException | None = None  # first exception of a background update
 
     # ------------------------------------------------------------------ layout
     def _plan(self, units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int]) -> None:
@@ -237,6 +244,32 @@ class HostStore:
         targets = range(len(self.buffers)) if u is None else (u,)
         for i in targets:
             self.buffers[i].staging_dirty = True
+            self.generation[i] += 1
+
+    # ------------------------------------------------------------------ readiness
+    def begin_update(self, u: int) -> None:
+        """A background update of unit ``u``'s masters starts: readers must wait."""
+        self._ready[u].clear()
+
+    def end_update(self, u: int, error: BaseException | None = None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self._ready[u].set()
+
+    def wait_ready(self, u: int) -> None:
+        """Block until unit ``u``'s masters are not being updated; re-raise a background failure."""
+        self._ready[u].wait()
+        self.raise_error()
+
+    def synchronize(self) -> None:
+        for event in self._ready:
+            event.wait()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise RuntimeError(f"megatrain background update failed: {error!r}") from error
 
     def _versions(self, u: int) -> tuple[int, ...]:
         return tuple(e.tensor._version for e in self.entries[u] if e.owner == u and e.kind == "trainable")
@@ -278,7 +311,10 @@ class HostStore:
         """
         param = entry.tensor
         region = self.buffers[entry.owner].grad_host[entry.offset : entry.offset + entry.numel]
-        grad_host = grad.detach().reshape(-1).to("cpu", torch.float32)
+        grad_host = grad.detach().reshape(-1)
+        if grad_host.device.type != "cpu":
+            grad_host = grad_host.to("cpu")
+        # copy_/add_ convert a bf16 gradient to fp32 on the fly (no temporary fp32 copy)
         if param.grad is None:
             region.copy_(grad_host)
             param.grad = region.view(entry.shape)

@@ -1,19 +1,34 @@
-"""Streamer: brings a unit's weights onto the compute device, as views of one upload per source.
+"""Streamer: brings a unit's weights onto the compute device, ahead of time.
 
-``fetch(u)`` returns ``{name: tensor_dev}`` for every tensor unit ``u`` needs. Each host flat the
-unit reads (its compute-dtype staging, its fp32 vectors, a tied weight's owner flat, frozen
-weights) crosses the link as ONE copy; the entries are views into it, so binding a template is
-free. On the CPU the views point straight into the host flats (no copy at all).
+``fetch(u, prefetch=v)`` returns ``{name: tensor_dev}`` for every tensor unit ``u`` needs and
+starts the upload of unit ``v`` (the next one in forward or backward order) on the copy stream,
+so that it overlaps the compute of ``u``. Each host flat a unit reads (its compute-dtype staging,
+its fp32 vectors, a tied weight's owner flat, frozen weights) crosses the link as ONE copy from
+pinned memory; the entries are views into it, so binding a template is free. On the CPU the
+views point straight into the host flats (no copy at all).
 
-Residency lives here and nowhere else: device buffers (unit buffers such as Gemma3's
-``embed_scale``) are uploaded once at construction.
+Residency lives here and nowhere else: the in-flight table (at most the current unit plus the
+prefetched one), and the device copies of unit buffers (uploaded once, e.g. Gemma3's
+``embed_scale``). Before reading a unit's host flats the streamer waits until no background
+optimizer update is writing them (``store.wait_ready``); an upload issued before the masters
+changed is dropped (``store.generation``).
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from .store import HostStore
+
+
+@dataclass
+class _Upload:
+    flats: dict[tuple, tuple[torch.Tensor, int]]  # (owner, source key) -> (device flat, base offset)
+    ready: torch.cuda.Event | None  # recorded on the copy stream after the last copy
+    generation: tuple[int, ...]
 
 
 class Streamer:
@@ -21,6 +36,9 @@ class Streamer:
         self.store = store
         self.device = device
         self.stats = stats  # EngineStats: h2d_bytes counts link traffic host -> device
+        self.cuda = device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self._inflight: dict[int, _Upload] = {}
         self._buffers_dev: dict[tuple[int, str], torch.Tensor] = {}
         for u, entries in enumerate(store.entries):
             for e in entries:
@@ -30,28 +48,58 @@ class Streamer:
             list(dict.fromkeys((e.owner, e.source) for e in entries if e.kind != "buffer"))
             for entries in store.entries
         ]
+        self._owners = [sorted({owner for owner, _ in sources}) for sources in self._sources]
 
-    def _upload(self, host: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return host
-        dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
-        # Pinned source + non_blocking: the copy is queued on the current stream, ordered
-        # before the compute that reads it and after the compute that last used this memory.
-        dev.copy_(host, non_blocking=host.is_pinned())
-        self.stats.h2d_bytes += host.numel() * host.element_size()
-        return dev
+    def _generation(self, u: int) -> tuple[int, ...]:
+        return tuple(self.store.generation[o] for o in self._owners[u])
 
-    def fetch(self, u: int) -> dict[str, torch.Tensor]:
+    def _issue(self, u: int) -> _Upload:
+        started = time.perf_counter()
+        for owner in self._owners[u]:
+            self.store.wait_ready(owner)  # no background update is writing these masters
+        self.stats.optimizer_wait_s += time.perf_counter() - started
         flats: dict[tuple, tuple[torch.Tensor, int]] = {}
-        for owner, key in self._sources[u]:
-            host, base = self.store.source(owner, key)
-            flats[(owner, key)] = (self._upload(host), base)
+        if not self.cuda:
+            for owner, key in self._sources[u]:
+                flats[(owner, key)] = self.store.source(owner, key)
+            return _Upload(flats, None, self._generation(u))
+        with torch.cuda.stream(self.copy_stream):
+            for owner, key in self._sources[u]:
+                host, base = self.store.source(owner, key)
+                dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                # pinned source + non_blocking: a DMA on the copy stream, overlapping compute
+                dev.copy_(host, non_blocking=True)
+                self.stats.h2d_bytes += host.numel() * host.element_size()
+                flats[(owner, key)] = (dev, base)
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        return _Upload(flats, ready, self._generation(u))
+
+    def prefetch(self, u: int) -> None:
+        if self.cuda and 0 <= u < len(self._sources) and u not in self._inflight:
+            self._inflight[u] = self._issue(u)
+
+    def fetch(self, u: int, prefetch: int | None = None) -> dict[str, torch.Tensor]:
+        upload = self._inflight.pop(u, None)
+        if upload is None or upload.generation != self._generation(u):
+            upload = self._issue(u)
+        if upload.ready is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(upload.ready)  # compute reads the weights only once they landed
+            for dev, _ in upload.flats.values():
+                dev.record_stream(compute)  # allocated on the copy stream, freed after compute
+        if prefetch is not None:
+            self.prefetch(prefetch)
         tensors: dict[str, torch.Tensor] = {}
         for e in self.store.entries[u]:
             if e.kind == "buffer":
                 tensors[e.name] = self._buffers_dev[(u, e.name)]
                 continue
-            flat_dev, base = flats[(e.owner, e.source)]
+            flat_dev, base = upload.flats[(e.owner, e.source)]
             start = e.offset - base
             tensors[e.name] = flat_dev[start : start + e.numel].view(e.shape)
         return tensors
+
+    def drop_prefetched(self) -> None:
+        """Forget uploads that were not consumed (an aborted pass)."""
+        self._inflight.clear()

@@ -102,7 +102,9 @@ class MegaTrainPlugin(TrainerCallback):
         def create_optimizer(self, model=None):
             optimizer = original_create_optimizer(model) if model is not None else original_create_optimizer()
             if plugin.config.replace_adamw and convertible(optimizer):
-                self.optimizer = HostAdamW.from_optimizer(optimizer, plugin.engine.store)
+                self.optimizer = HostAdamW.from_optimizer(
+                    optimizer, plugin.engine.store, exact_clipping=plugin.config.exact_clipping
+                )
                 logger.info("megatrain: AdamW runs as HostAdamW on the host flats (same math)")
             return self.optimizer
 
@@ -111,8 +113,23 @@ class MegaTrainPlugin(TrainerCallback):
                 logs.update(plugin.metrics())
             return original_log(logs, *args, **kwargs)
 
+        original_clip = trainer._clip_grad_norm
+
+        def _clip_grad_norm(self, model):
+            # Every gradient is on the host once backward returned; clip as a scale inside the update.
+            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+            if not isinstance(optimizer, HostAdamW):
+                return original_clip(model)
+            norm = plugin.engine.grads.global_norm()
+            coef = float(self.args.max_grad_norm) / (norm + 1e-6)  # as clip_grad_norm_ computes it
+            optimizer.set_clip_coef(torch.clamp(coef, max=1.0))
+            return norm
+
         trainer.create_optimizer = types.MethodType(create_optimizer, trainer)
         trainer.log = types.MethodType(log, trainer)
+        trainer._clip_grad_norm = types.MethodType(_clip_grad_norm, trainer)
+        gradient_state = trainer.accelerator.gradient_state
+        self.engine.grads.final_microbatch = lambda: bool(gradient_state.sync_gradients)
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float]:
@@ -132,6 +149,8 @@ class MegaTrainPlugin(TrainerCallback):
         if self._last_log is not None:
             out["megatrain/tokens_per_s"] = stats.tokens / elapsed
             out["megatrain/link_GBps"] = (stats.h2d_bytes + stats.d2h_bytes) / 1e9 / elapsed
+            out["megatrain/optimizer_wait_frac"] = stats.optimizer_wait_s / elapsed
+            out["megatrain/grad_wait_frac"] = stats.grad_wait_s / elapsed
         try:
             import psutil
 
@@ -145,6 +164,10 @@ class MegaTrainPlugin(TrainerCallback):
         return out
 
     # ------------------------------------------------------------------ callback events
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.engine is not None:
+            self.engine.synchronize()  # the last update may still run in the background
+
     def on_train_begin(self, args, state, control, **kwargs):
         engine = self.engine
         if engine is not None:
