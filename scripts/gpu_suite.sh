@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>
 python3 -c "import torch,transformers,accelerate,peft,sys;print(sys.version.split()[0],torch.__version__,transformers.__version__,accelerate.__version__,peft.__version__)" >> "$R/summary.txt" 2>&1
 nproc >> "$R/summary.txt"; free -g | head -2 >> "$R/summary.txt"
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$R/pip.log" 2>&1 && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$R/pip.log" 2>&1 && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 for stage in $STAGES; do
   start=$(date +%s)
@@ -23,7 +23,7 @@ for stage in $STAGES; do
       MEGATRAIN_GPU_REPORT=$R/gpu_parity.jsonl timeout 420 python3 -m pytest -m gpu tests/gpu -q -rs -x > "$R/gpu_tests.log" 2>&1
       summary "tests rc=$? $(tail -1 "$R/gpu_tests.log")";;
     train1b)
-      for sys in megatrain plain; do
+      for sys in ${TRAIN1B_SYSTEMS:-megatrain plain}; do
         timeout 300 python3 scripts/gpu_train.py --system $sys --steps 20 --checkpointing --out "$R/train1b_$sys.json" > "$R/train1b_$sys.log" 2>&1
         summary "train1b $sys rc=$? $(tail -1 "$R/train1b_$sys.log" | cut -c1-400)"
       done;;
@@ -35,7 +35,7 @@ for stage in $STAGES; do
     *) summary "unknown stage $stage";;
   esac
   summary "stage $stage took $(( $(date +%s) - start )) s"
+  tar -czf "$OUT/results.tar.gz" -C "$R" .  # after every stage: a later timeout keeps what ran
+  cp "$R/summary.txt" "$OUT/summary.txt"
 done
-tar -czf "$OUT/results.tar.gz" -C "$R" .
-cp "$R/summary.txt" "$OUT/summary.txt"
 cat "$R/summary.txt"
