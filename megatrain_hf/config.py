@@ -54,6 +54,11 @@ class MegaTrainConfig:
     `HostAdamW` with the same groups and hyper-parameters: same math, state kept in per-layer
     host flats next to the masters. Other optimizers are always kept as they are."""
 
+    host_threads: int | None = None
+    """CPU threads for the engine's host work (AdamW update, gradient accumulation). None: every
+    CPU this process may run on. Containers often set OMP_NUM_THREADS=1, which would make the
+    update ~10x slower; the engine raises torch's thread count to this value and logs it."""
+
     exact_clipping: bool = True
     """Gradient clipping multiplies the gradients by the clip coefficient before the update,
     exactly like ``torch.nn.utils.clip_grad_norm_`` (bitwise parity with plain Trainer). False:
@@ -78,6 +83,10 @@ class MegaTrainConfig:
             raise ValueError(
                 f"MegaTrainConfig.compute_dtype={self.compute_dtype!r} is not supported; allowed: "
                 f"{sorted(_DTYPES)}. fp16 is not supported (use bf16 on GPUs that have it)."
+            )
+        if self.host_threads is not None and (not isinstance(self.host_threads, int) or self.host_threads < 1):
+            raise ValueError(
+                f"MegaTrainConfig.host_threads={self.host_threads!r}; allowed: None (all CPUs) or an int >= 1."
             )
         if self.pin_memory not in (True, False, "auto"):
             raise ValueError(
@@ -108,6 +117,14 @@ class MegaTrainConfig:
         if self.pin_memory == "auto":
             return device.type == "cuda"
         return bool(self.pin_memory)
+
+    def resolve_host_threads(self) -> int:
+        if self.host_threads is not None:
+            return self.host_threads
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            return os.cpu_count() or 1
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

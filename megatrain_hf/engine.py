@@ -122,8 +122,15 @@ class Engine:
             pin=config.resolve_pin(device),
             embedding_units=units.embedding_units,
         )
+        self.host_threads = config.resolve_host_threads()
+        if torch.get_num_threads() < self.host_threads:
+            logger.info(
+                "megatrain: raising torch CPU threads from %d to %d for the host update "
+                "(MegaTrainConfig.host_threads)", torch.get_num_threads(), self.host_threads
+            )
+            torch.set_num_threads(self.host_threads)
         self.streamer = Streamer(self.store, device, self.stats)
-        self.grads = GradSink(self.store, device, self.stats)
+        self.grads = GradSink(self.store, device, self.stats, host_threads=self.host_threads)
         templates = TemplateCache()
         self.units: list[_Unit] = []
         for u, (name, module) in enumerate(zip(units.names, units.modules)):

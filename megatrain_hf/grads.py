@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -33,7 +34,8 @@ class _Slab:
 
 
 class GradSink:
-    def __init__(self, store: HostStore, device: torch.device, stats, num_slabs: int = 3) -> None:
+    def __init__(self, store: HostStore, device: torch.device, stats, num_slabs: int = 3, host_threads: int = 1) -> None:
+        self.host_threads = host_threads
         self.store = store
         self.device = device
         self.stats = stats
@@ -62,7 +64,10 @@ class GradSink:
                 )
             )
         self._jobs: queue.Queue = queue.Queue()
-        self._worker = threading.Thread(target=self._run, name="megatrain-grads", daemon=True)
+        # The thread holds only a weak reference: a sink nobody uses any more is collected.
+        self._worker = threading.Thread(
+            target=_serve, args=(self._jobs, weakref.ref(self), self.host_threads), name="megatrain-grads", daemon=True
+        )
         self._worker.start()
 
     def close(self) -> None:
@@ -120,33 +125,33 @@ class GradSink:
                 if self._worker is None or not self._worker.is_alive():
                     raise RuntimeError("megatrain gradient worker is not running") from None
 
+    def __del__(self) -> None:
+        jobs = getattr(self, "_jobs", None)
+        if jobs is not None:
+            jobs.put(None)
+
     # ------------------------------------------------------------------ worker
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            u, slab, done, local, want_norm = job
-            try:
-                done.synchronize()
-                n_lp = self.store.buffers[u].n_lp
-                for e, _ in local:
-                    if e.wire == torch.float32:
-                        src = slab.fp_host[e.offset - n_lp : e.offset - n_lp + e.numel]
-                    else:
-                        src = slab.lp_host[e.offset : e.offset + e.numel]
-                    self.store.accumulate_grad(e, src)
-                if want_norm:
-                    self.norms[u] = self._unit_norms(u)
-            except BaseException as exc:  # surfaced in the training thread by raise_error()
-                logger.exception("gradient accumulation of unit %d failed", u)
-                self._error = exc
-            finally:
-                del local  # drops the device gradients (the copy is complete)
-                self._free.put(slab)
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
+    def _process(self, job) -> None:
+        u, slab, done, local, want_norm = job
+        try:
+            done.synchronize()
+            n_lp = self.store.buffers[u].n_lp
+            for e, _ in local:
+                if e.wire == torch.float32:
+                    src = slab.fp_host[e.offset - n_lp : e.offset - n_lp + e.numel]
+                else:
+                    src = slab.lp_host[e.offset : e.offset + e.numel]
+                self.store.accumulate_grad(e, src)
+            if want_norm:
+                self.norms[u] = self._unit_norms(u)
+        except BaseException as exc:  # surfaced in the training thread by raise_error()
+            logger.exception("gradient accumulation of unit %d failed", u)
+            self._error = exc
+        finally:
+            self._free.put(slab)
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
 
     # ------------------------------------------------------------------ results
     def wait(self) -> None:
@@ -182,3 +187,15 @@ class GradSink:
 
     def reset_norms(self) -> None:
         self.norms = [None] * len(self.norms)
+
+
+def _serve(jobs: queue.Queue, sink_ref, threads: int) -> None:
+    """Worker thread body: process jobs while the sink is alive."""
+    torch.set_num_threads(threads)
+    while True:
+        job = jobs.get()
+        sink = sink_ref() if job is not None else None
+        if sink is None:
+            return
+        sink._process(job)
+        del sink, job

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from collections import defaultdict
 
 import torch
@@ -39,6 +40,7 @@ class HostAdamW(torch.optim.Optimizer):
         maximize: bool = False,
         asynchronous: bool = True,
         exact_clipping: bool = True,
+        host_threads: int | None = None,
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -48,6 +50,7 @@ class HostAdamW(torch.optim.Optimizer):
             raise ValueError(f"HostAdamW weight_decay={weight_decay}: must be >= 0")
         self.store = store
         self.asynchronous = asynchronous
+        host_threads = host_threads or torch.get_num_threads()
         self.exact_clipping = exact_clipping
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
@@ -57,7 +60,10 @@ class HostAdamW(torch.optim.Optimizer):
             self._jobs: queue.Queue = queue.Queue()
             self._cond = threading.Condition()
             self._pending = 0
-            self._worker = threading.Thread(target=self._worker_loop, name="megatrain-adamw", daemon=True)
+            # The thread holds only a weak reference: an optimizer nobody uses any more is collected.
+            self._worker = threading.Thread(
+                target=_serve, args=(self._jobs, weakref.ref(self), host_threads), name="megatrain-adamw", daemon=True
+            )
             self._worker.start()
 
     @classmethod
@@ -225,17 +231,18 @@ class HostAdamW(torch.optim.Optimizer):
         finally:
             self.store.end_update(u, error)
 
-    def _worker_loop(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._run_job(job)
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
+    def _serve_one(self, job) -> None:
+        try:
+            self._run_job(job)
+        finally:
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def __del__(self) -> None:
+        jobs = getattr(self, "_jobs", None)
+        if jobs is not None:
+            jobs.put(None)
 
     def synchronize(self) -> None:
         """Wait for the background update of the last ``step()``; re-raise its failure."""
@@ -257,6 +264,18 @@ class HostAdamW(torch.optim.Optimizer):
             self.synchronize()
             self._jobs.put(None)
             self._worker.join(timeout=60)
+
+
+def _serve(jobs: queue.Queue, optimizer_ref, threads: int) -> None:
+    """Worker thread body: run update jobs while the optimizer is alive."""
+    torch.set_num_threads(threads)
+    while True:
+        job = jobs.get()
+        optimizer = optimizer_ref() if job is not None else None
+        if optimizer is None:
+            return
+        optimizer._serve_one(job)
+        del optimizer, job
 
 
 _ADAMW_KEYS = frozenset(

@@ -103,7 +103,10 @@ class MegaTrainPlugin(TrainerCallback):
             optimizer = original_create_optimizer(model) if model is not None else original_create_optimizer()
             if plugin.config.replace_adamw and convertible(optimizer):
                 self.optimizer = HostAdamW.from_optimizer(
-                    optimizer, plugin.engine.store, exact_clipping=plugin.config.exact_clipping
+                    optimizer,
+                    plugin.engine.store,
+                    exact_clipping=plugin.config.exact_clipping,
+                    host_threads=plugin.engine.host_threads,
                 )
                 logger.info("megatrain: AdamW runs as HostAdamW on the host flats (same math)")
             return self.optimizer
