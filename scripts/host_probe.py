@@ -1,0 +1,44 @@
+"""Host-side numbers that decide the CPU optimizer's speed: threads, fused AdamW and copy rates."""
+import os
+import threading
+import time
+
+import torch
+
+n = 256 * 2**20  # 268M params in 8 tensors
+print("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS"), "torch threads", torch.get_num_threads(),
+      "affinity", len(os.sched_getaffinity(0)))
+ps = [torch.randn(n // 8) for _ in range(8)]
+gs = [torch.randn(n // 8) for _ in range(8)]
+ms = [torch.zeros(n // 8) for _ in range(8)]
+vs = [torch.zeros(n // 8) for _ in range(8)]
+step = torch.tensor(1.0)
+
+
+def adam():
+    torch._fused_adamw_(ps, gs, ms, vs, [], [step] * 8, amsgrad=False, lr=1e-3, beta1=0.9, beta2=0.999,
+                        weight_decay=0.0, eps=1e-8, maximize=False, grad_scale=None, found_inf=None)
+
+
+def rate(fn, reps=3):
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return n * reps / (time.perf_counter() - t) / 1e9
+
+
+for threads in (torch.get_num_threads(), len(os.sched_getaffinity(0))):
+    torch.set_num_threads(threads)
+    print(f"threads={threads}: fused AdamW {rate(adam):.2f} Gparam/s")
+    res = {}
+    def in_thread():
+        torch.set_num_threads(threads)
+        res["r"] = rate(adam)
+    t = threading.Thread(target=in_thread); t.start(); t.join()
+    print(f"threads={threads}: fused AdamW in a worker thread {res['r']:.2f} Gparam/s")
+    flat = torch.cat(ps)
+    bf = torch.empty(n, dtype=torch.bfloat16)
+    print(f"threads={threads}: fp32->bf16 copy {rate(lambda: bf.copy_(flat)):.2f} Gelem/s")
+    acc = torch.zeros(n)
+    print(f"threads={threads}: fp32 += bf16 {rate(lambda: acc.add_(bf)):.2f} Gelem/s")
