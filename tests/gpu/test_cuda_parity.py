@@ -128,6 +128,9 @@ def test_lora_bf16(tmp_path):
     _report("lora_bf16_llama", ref_losses, losses, ref_state, state_of(model))
     assert_close_losses(ref_losses, losses, BF16_LOSS_ATOL)
     got = state_of(model)
+    # lora_B starts at 0, so lora_A's gradients stay ~0 for the first steps and Adam turns their
+    # rounding noise into +-lr moves: its relative update is not a meaningful comparison.
+    init = {n: v for n, v in init.items() if "lora_B" in n}
     assert_close_updates(init, {n: ref_state[n] for n in init}, {n: got[n] for n in init}, BF16_UPDATE_RTOL)
 
 
