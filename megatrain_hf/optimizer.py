@@ -75,7 +75,9 @@ class HostAdamW(torch.optim.Optimizer):
                 {k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay", "maximize") if k in g}
                 | {k: v for k, v in g.items() if k not in _ADAMW_KEYS}
             )
-        return cls(groups, store, **kwargs)
+        # defaults too: some schedulers read them (polynomial decay reads defaults["lr"])
+        defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "maximize")}
+        return cls(groups, store, **defaults, **kwargs)
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_plan", None) is not None:

@@ -69,3 +69,41 @@ def test_parameters_live_in_host_flats():
     assert engine.num_templates == 4  # embedding, decoder layer, norm, head
     engine.detach()
     assert "forward" not in vars(model.model.layers[0])
+
+
+@pytest.mark.parametrize("scheduler", ["linear", "constant_with_warmup", "cosine_with_restarts", "polynomial"])
+def test_lr_schedulers(tmp_path, scheduler):
+    ref_model = tiny_model("llama")
+    _, ref_losses = train(ref_model, training_args(tmp_path / "ref", lr_scheduler_type=scheduler))
+    model = tiny_model("llama")
+    trainer, losses = train(model, training_args(tmp_path / "mt", lr_scheduler_type=scheduler), callbacks=[MegaTrainPlugin()])
+    assert isinstance(trainer.optimizer.optimizer, HostAdamW)
+    assert_close_losses(ref_losses, losses, ATOL_FP32)
+    assert_close_params(state_of(ref_model), state_of(model), ATOL_FP32)
+
+
+def test_trainer_subclass(tmp_path):
+    """A Trainer subclass (as TRL's trainers are) goes through the same path."""
+    from transformers import Trainer
+
+    calls = []
+
+    class MyTrainer(Trainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            calls.append(1)
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def run(model, path, callbacks):
+        from helpers import LossRecorder, RandomTokens
+
+        recorder = LossRecorder(model)
+        MyTrainer(model=model, args=training_args(path), train_dataset=RandomTokens(), callbacks=callbacks).train()
+        return recorder.losses
+
+    ref_model = tiny_model("qwen2")
+    ref_losses = run(ref_model, tmp_path / "ref", None)
+    model = tiny_model("qwen2")
+    losses = run(model, tmp_path / "mt", [MegaTrainPlugin()])
+    assert engine_of(model) is not None and len(calls) == 24
+    assert_close_losses(ref_losses, losses, ATOL_FP32)
+    assert_close_params(state_of(ref_model), state_of(model), ATOL_FP32)
