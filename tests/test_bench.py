@@ -65,7 +65,7 @@ def test_plain_ran_and_measured(bench):
     assert plain["tokens_per_s"] > 0 and plain["tflops"] > 0
     assert plain["measured_steps"] == 2 and len(plain["steps"]) == 3  # warmup step kept raw, not measured
     assert plain["step_time_mean_s"] > 0 and plain["host_peak_rss_gib"] > 0
-    assert plain["params"] == PRESETS["tiny"].approx_params()
+    assert plain["params"] == PRESETS["tiny"].params()
     assert plain["link_bytes_per_step"] is None and "not instrumented" in plain["link_note"]
     assert plain["system_check"]["distributed_type"].endswith("NO")
 
@@ -132,9 +132,9 @@ def test_worker_timeout_is_a_failure_with_reason(tmp_path):
 
 
 def test_flops_formula_and_presets():
-    assert PRESETS["llama-3.14b"].approx_params() == pytest.approx(3.14e9, rel=0.01)
-    assert PRESETS["llama-1.36b"].approx_params() == pytest.approx(1.36e9, rel=0.01)
-    assert PRESETS["llama-7b"].approx_params() == pytest.approx(6.74e9, rel=0.01)
+    assert PRESETS["llama-3.14b"].params() == pytest.approx(3.14e9, rel=0.01)
+    assert PRESETS["llama-1.36b"].params() == pytest.approx(1.36e9, rel=0.01)
+    assert PRESETS["llama-7b"].params() == pytest.approx(6.74e9, rel=0.01)
     shape = PRESETS["llama-3.14b"]
     flops = useful_flops_per_step(3_140_000_000, shape, 4096, 16384)
     assert flops == 6 * 3_140_000_000 * 16384 + 12 * 26 * 3072 * 4096 * 16384

@@ -30,7 +30,7 @@ def workload(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]:
     return {
         "model": args.model,
         "shape": shape.to_dict(),
-        "approx_params": shape.approx_params(),
+        "approx_params": shape.params(),
         "seq_len": args.seq_len,
         "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum,

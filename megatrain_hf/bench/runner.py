@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .presets import PRESETS, ModelShape, add_shape_arguments, shape_from_args
+from .presets import PRESETS, SHAPE_FIELDS, ModelShape, add_shape_arguments, shape_from_args
 from .report import write_reports
 from .runinfo import run_metadata, workload
 from .systems import DISTRIBUTED_SYSTEMS, SYSTEMS
@@ -75,8 +75,8 @@ def _free_port() -> int:
 def worker_command(system: str, args: argparse.Namespace, shape: ModelShape, json_path: Path) -> list[str]:
     cmd = [sys.executable, "-m", "megatrain_hf.bench.worker", "--system", system, "--json-out", str(json_path),
            "--model", args.model]
-    for name, value in shape.to_dict().items():
-        cmd += [f"--{name.replace('_', '-')}", str(value)]
+    for name in SHAPE_FIELDS:
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(shape, name))]
     for name in ("seq_len", "micro_batch", "grad_accum", "steps", "warmup_steps", "dtype", "device", "seed"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     return cmd
