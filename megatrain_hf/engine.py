@@ -74,12 +74,13 @@ class EngineStats:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     tokens: int = 0  # token ids entering the embedding in training calls
+    useful_flops: float = 0.0  # 6 * P * tokens + 12 * layers * hidden * seq * tokens (no recompute)
     optimizer_wait_s: float = 0.0  # training thread blocked on a background HostAdamW update
     grad_wait_s: float = 0.0  # end of backward blocked on the last gradient accumulations
 
     def reset(self) -> None:
         self.forward_units = self.backward_units = self.h2d_bytes = self.d2h_bytes = self.tokens = 0
-        self.optimizer_wait_s = self.grad_wait_s = 0.0
+        self.useful_flops = self.optimizer_wait_s = self.grad_wait_s = 0.0
 
 
 class _StreamedUnit(torch.autograd.Function):
@@ -139,6 +140,13 @@ class Engine:
                 _Unit(u, name, module, template, template.mirror_pairs(module), self.store.trainable_entries(u))
             )
         self.num_templates = len(templates)
+        # For the TFLOPS metric (the project's convention): 6 * P + 12 * layers * hidden * seq per token.
+        self.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        config = getattr(unwrap(model), "config", None)
+        text_config = getattr(config, "get_text_config", lambda: config)()
+        layers = getattr(text_config, "num_hidden_layers", 0) or 0
+        hidden = getattr(text_config, "hidden_size", 0) or 0
+        self._attn_flops_per_seq = 12.0 * layers * hidden
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         self._end_queued = False
         self._install(model, units)
@@ -319,6 +327,8 @@ class Engine:
         call = _Call(u, rest, kwargs, key)
         if u == 0 and unit.module.training and torch.is_grad_enabled() and not x.is_floating_point():
             self.stats.tokens += x.numel()
+            seq = x.shape[-1] if x.dim() else 1
+            self.stats.useful_flops += x.numel() * (6.0 * self.trainable_params + self._attn_flops_per_seq * seq)
         if not needs_graph:
             return self._compute(call, x, self.streamer.fetch(u, prefetch=u + 1))
         self._check_side_inputs(unit, rest, kwargs)

@@ -878,6 +878,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-gib", type=float, default=None,
                         help="plan against this much RAM instead of this machine's available RAM")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--chart", default=None, metavar="PNG", help="also write a bar chart of the plan")
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help is 0, usage errors are 2
@@ -922,6 +923,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
         return 0
     print(plan.table())
     print()
+    if args.chart:
+        write_chart(plan, args.chart)
+        print(f"chart written to {args.chart}")
     verdict = "fits" if fits else "does NOT fit"
     print(f"host RAM {source}: {_gib(available)} GiB; plan {_gib(plan.host_total)} + headroom "
           f"{_gib(DEFAULT_HEADROOM_BYTES)} = {_gib(required)} GiB -> {verdict}"
@@ -956,3 +960,33 @@ __all__ = [
     "LORA_TARGETS",
     "DEFAULT_HEADROOM_BYTES",
 ]
+
+
+def write_chart(plan: MemoryPlan, path: str) -> None:
+    """A PNG with two stacked bars: host RAM per tier and GPU memory per item (GiB)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    breakdowns = (plan.host_breakdown(), plan.gpu_breakdown())
+    scale = max(sum(b.values()) for b in breakdowns) / GiB
+    for x, breakdown in enumerate(breakdowns):
+        bottom = 0.0
+        for name, nbytes in breakdown.items():
+            value = nbytes / GiB
+            if value <= 0:
+                continue
+            ax.bar(x, value, bottom=bottom, label=name)
+            if value > 0.04 * scale:
+                ax.text(x, bottom + value / 2, f"{name} {value:.1f}", ha="center", va="center", fontsize=7)
+            bottom += value
+        ax.text(x, bottom, f"{bottom:.1f} GiB", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([0, 1], ["host RAM", "GPU"])
+    ax.set_ylabel("GiB")
+    ax.set_title(f"{plan.shape.name or 'model'}: seq {plan.seq_len} x {plan.micro_batch} x {plan.grad_accum}, "
+                 f"{plan.compute_dtype}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -277,3 +277,12 @@ def test_estimate_main_bad_input_exits_2(tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
     assert estimate_main(["--model", "tiny", "--dtype", "fp16"]) == 2  # argparse choices
     assert estimate_main(["--model", "tiny", "--seq-len", "0"]) == 2
+
+
+def test_estimate_writes_a_chart(tmp_path, capsys):
+    from megatrain_hf.memory import estimate_main
+
+    path = tmp_path / "plan.png"
+    assert estimate_main(["--model", "llama-7b", "--chart", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "chart written" in capsys.readouterr().out
