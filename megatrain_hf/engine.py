@@ -22,11 +22,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .adapters import Units, locate_units, unwrap
@@ -88,14 +90,21 @@ class _StreamedUnit(torch.autograd.Function):
     def forward(ctx, engine: "Engine", call: _Call, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         ctx.engine, ctx.call = engine, call
         ctx.save_for_backward(x)  # the activation checkpoint of this unit
-        return engine._compute(call, x, engine.streamer.fetch(call.unit, prefetch=call.unit + 1))
+        out = engine._compute(call, x, engine.streamer.fetch(call.unit))
+        engine.streamer.prefetch(call.unit + 1)  # after the compute is queued: never delays it
+        return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out: torch.Tensor):
         (x,) = ctx.saved_tensors
-        ctx.engine._at_backward_end()
-        grad_x = ctx.engine._recompute_backward(ctx.call, x, grad_out)
-        ctx.call = None
+        engine = ctx.engine
+        engine._at_backward_end()
+        try:
+            grad_x = engine._recompute_backward(ctx.call, x, grad_out)
+        except BaseException:
+            engine._backward_failed()
+            raise
         return None, None, None, grad_x
 
 
@@ -242,8 +251,19 @@ class Engine:
         self._set_instance_attr(base, "hf_device_map", device_map)
         hook = base.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize())
         self._undo.append(hook.remove)
-        self._step_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
-        self._undo.append(self._step_hook.remove)
+        # load_state_dict (resume, load_best_model_at_end) must not race a background update,
+        # and changes the masters (re-stage them)
+        hook = base.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize())
+        self._undo.append(hook.remove)
+        hook = base.register_load_state_dict_post_hook(lambda *args, **kwargs: self.store.mark_dirty())
+        self._undo.append(hook.remove)
+        # torch keeps global hooks forever: hold the engine weakly so a dropped model is freed
+        on_step = weakref.WeakMethod(self._on_optimizer_step)
+        step_hook = register_optimizer_step_post_hook(
+            lambda optimizer, args, kwargs: (m := on_step()) is not None and m(optimizer, args, kwargs)
+        )
+        self._undo.append(step_hook.remove)
+        weakref.finalize(self, step_hook.remove)
 
     def _report_compute_device(self, base: nn.Module) -> None:
         """``model.device`` must name the compute device, not the host (generate() moves inputs there).
@@ -262,6 +282,15 @@ class Engine:
         if not self._end_queued:
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_failed(self) -> None:
+        """autograd drops queued callbacks when a backward fails: undo what the pass had started."""
+        self._end_queued = False
+        self.streamer.drop_prefetched()
+        try:
+            self.grads.wait()  # no slab of the failed pass may land in the next step's gradients
+        except RuntimeError:
+            logger.exception("gradient accumulation also failed while unwinding a failed backward")
 
     def _backward_done(self) -> None:
         self._end_queued = False
@@ -285,6 +314,9 @@ class Engine:
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
+        self.streamer.drop_prefetched()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no copy still reads the buffers we unpin
         self.grads.close()
         self.store.release()
         if getattr(self.model, "_megatrain_engine", None) is self:
@@ -330,7 +362,9 @@ class Engine:
             seq = x.shape[-1] if x.dim() else 1
             self.stats.useful_flops += x.numel() * (6.0 * self.trainable_params + self._attn_flops_per_seq * seq)
         if not needs_graph:
-            return self._compute(call, x, self.streamer.fetch(u, prefetch=u + 1))
+            out = self._compute(call, x, self.streamer.fetch(u))
+            self.streamer.prefetch(u + 1)
+            return out
         self._check_side_inputs(unit, rest, kwargs)
         call.kwargs = self._without_cache(unit, kwargs)
         dev_type = self.device.type
@@ -419,7 +453,7 @@ class Engine:
                 torch.set_rng_state(call.cpu_rng)
                 if call.dev_rng is not None:
                     torch.cuda.set_rng_state(call.dev_rng, self.device)
-            tensors = self.streamer.fetch(call.unit, prefetch=call.unit - 1 if call.unit > 0 else None)
+            tensors = self.streamer.fetch(call.unit)
             leaves = []
             for e in unit.trainable:
                 leaf = tensors[e.name].detach().requires_grad_(True)
@@ -429,6 +463,8 @@ class Engine:
             x_in = x.detach().requires_grad_(x_grad)
             with torch.enable_grad(), self._autocast(call.autocast):
                 out = self._compute(call, x_in, tensors)
+            if call.unit > 0:
+                self.streamer.prefetch(call.unit - 1)  # backward order; overlaps this unit's backward
             self.stats.forward_units -= 1  # a recompute is not a forward
             inputs = ([x_in] if x_grad else []) + leaves
             grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)

@@ -40,7 +40,7 @@ class GradSink:
         self.device = device
         self.stats = stats
         self.final_microbatch: Callable[[], bool] = lambda: True  # set by integrations (GA hint)
-        self.norms: list[list[torch.Tensor] | None] = [None] * len(store.entries)
+        self.norms: list[tuple | None] = [None] * len(store.entries)  # (grad key, per-tensor norms)
         self._error: BaseException | None = None
         self._pending = 0
         self._cond = threading.Condition()
@@ -171,19 +171,25 @@ class GradSink:
             error, self._error = self._error, None
             raise RuntimeError(f"megatrain gradient accumulation failed: {error!r}") from error
 
-    def _unit_norms(self, u: int) -> list[torch.Tensor]:
+    def _grad_key(self, u: int) -> tuple:
+        """Identity and version of unit ``u``'s gradients: a cached norm is valid while it holds."""
         grads = [e.tensor.grad for e in self.store.entries[u] if e.owner == u and e.kind == "trainable"]
-        grads = [g for g in grads if g is not None]
-        return list(torch._foreach_norm(grads)) if grads else []
+        return tuple((id(g), g._version) if g is not None else None for g in grads)
+
+    def _unit_norms(self, u: int) -> tuple[tuple, list[torch.Tensor]]:
+        grads = [e.tensor.grad for e in self.store.entries[u] if e.owner == u and e.kind == "trainable"]
+        present = [g for g in grads if g is not None]
+        return self._grad_key(u), (list(torch._foreach_norm(present)) if present else [])
 
     def global_norm(self) -> torch.Tensor:
         """L2 norm over all host gradients, like ``torch.nn.utils.clip_grad_norm_`` computes it."""
         self.wait()
         norms: list[torch.Tensor] = []
         for u in range(len(self.norms)):
-            if self.norms[u] is None:
+            # recompute when the gradients changed since (a training_step override edited them)
+            if self.norms[u] is None or self.norms[u][0] != self._grad_key(u):
                 self.norms[u] = self._unit_norms(u)
-            norms.extend(self.norms[u])
+            norms.extend(self.norms[u][1])
         if not norms:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)

@@ -1,8 +1,8 @@
 """Streamer: brings a unit's weights onto the compute device, ahead of time.
 
-``fetch(u, prefetch=v)`` returns ``{name: tensor_dev}`` for every tensor unit ``u`` needs and
-starts the upload of unit ``v`` (the next one in forward or backward order) on the copy stream,
-so that it overlaps the compute of ``u``. Each host flat a unit reads (its compute-dtype staging,
+``fetch(u)`` returns ``{name: tensor_dev}`` for every tensor unit ``u`` needs; the engine calls
+``prefetch(v)`` for the next unit in forward or backward order right after queuing the compute
+of ``u``, so the upload of ``v`` runs on the copy stream while ``u`` computes. Each host flat a unit reads (its compute-dtype staging,
 its fp32 vectors, a tied weight's owner flat, frozen weights) crosses the link as ONE copy from
 pinned memory; the entries are views into it, so binding a template is free. On the CPU the
 views point straight into the host flats (no copy at all).
@@ -79,7 +79,7 @@ class Streamer:
         if self.cuda and 0 <= u < len(self._sources) and u not in self._inflight:
             self._inflight[u] = self._issue(u)
 
-    def fetch(self, u: int, prefetch: int | None = None) -> dict[str, torch.Tensor]:
+    def fetch(self, u: int) -> dict[str, torch.Tensor]:
         upload = self._inflight.pop(u, None)
         if upload is None or upload.generation != self._generation(u):
             upload = self._issue(u)
@@ -88,8 +88,6 @@ class Streamer:
             compute.wait_event(upload.ready)  # compute reads the weights only once they landed
             for dev, _ in upload.flats.values():
                 dev.record_stream(compute)  # allocated on the copy stream, freed after compute
-        if prefetch is not None:
-            self.prefetch(prefetch)
         tensors: dict[str, torch.Tensor] = {}
         for e in self.store.entries[u]:
             if e.kind == "buffer":
