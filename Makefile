@@ -16,8 +16,14 @@ demo: install
 test: install
 	$(PY) -m pytest -m "not gpu" -q
 
+# the documentation site (mkdocs.yml): strict, so a broken link or a page missing from the nav fails
+docs:
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
+
 test-gpu:
 	$(PY) -m pytest -m gpu -q -rs
 
 clean:
-	rm -rf demo_output bench_output .pytest_cache build *.egg-info
+	rm -rf demo_output bench_output site .pytest_cache build *.egg-info

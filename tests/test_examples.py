@@ -1,0 +1,115 @@
+"""The user-facing examples and notebooks run: every examples/*.py with --smoke, every notebooks/*.ipynb.
+
+Each example runs in a subprocess from a temporary working directory (PYTHONPATH = the repository
+root, as for an uninstalled clone) and must exit 0 and print its summary line. Notebooks are
+executed top to bottom with nbclient (skipped, with the reason, where nbclient/nbformat/ipykernel
+are not installed: they are in the `test` extra) and must raise in no cell. CPU only, seconds each.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+NOTEBOOKS = ROOT / "notebooks"
+
+# script -> (extra arguments, a line its stdout must contain)
+SMOKE_RUNS = {
+    "sft_trainer.py": ([], "sft_trainer: done:"),
+    "lora_peft.py": ([], "lora_peft: done:"),
+    "accelerate_loop.py": ([], "accelerate_loop: done:"),
+    "accelerate_loop.py --host_adamw": (["--host_adamw"], "with HostAdamW"),
+    "trl_sft.py": ([], "trl_sft: done:"),
+    "demo.py": (["--max_steps", "4", "--logging_steps", "2"], "done in"),
+}
+NOT_EXAMPLES = {"common.py"}  # shared helpers imported by the examples, not a script
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+def test_every_example_script_has_a_smoke_run():
+    scripts = {p.name for p in EXAMPLES.glob("*.py")} - NOT_EXAMPLES
+    covered = {key.split()[0] for key in SMOKE_RUNS}
+    assert scripts == covered, (
+        f"examples without a smoke run here: {sorted(scripts - covered)}; stale: {sorted(covered - scripts)}"
+    )
+
+
+@pytest.mark.parametrize("name", list(SMOKE_RUNS))
+def test_example_smoke(name, tmp_path):
+    script = name.split()[0]
+    extra, expected = SMOKE_RUNS[name]
+    if script == "trl_sft.py" and importlib.util.find_spec("trl") is None:
+        pytest.skip("trl is not installed (pip install --no-deps trl: it needs no packages beyond the test extra)")
+    cmd = [sys.executable, str(EXAMPLES / script), "--smoke", "--output_dir", str(tmp_path / "out"), *extra]
+    started = time.time()
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    elapsed = time.time() - started
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert expected in proc.stdout, f"{name}: {expected!r} not in its output:\n{proc.stdout[-3000:]}"
+    print(f"{name}: {elapsed:.1f} s")
+
+
+def test_token_accuracy_metric_loads_from_the_local_file():
+    evaluate = pytest.importorskip("evaluate")
+    metric = evaluate.load(str(EXAMPLES / "metrics" / "token_accuracy.py"))
+    assert metric.compute(predictions=[5, 7, 9], references=[5, 8, -100]) == {
+        "token_accuracy": 0.5,
+        "counted_tokens": 2,
+    }
+    assert metric.compute(predictions=[1], references=[-100])["token_accuracy"] == 0.0
+
+
+def _notebook_tools():
+    missing = [m for m in ("nbclient", "nbformat", "ipykernel") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed (they are in the `test` extra: pip install -e '.[test]')")
+    import nbclient
+    import nbformat
+
+    return nbclient, nbformat
+
+
+def test_notebooks_are_stored_without_outputs():
+    _, nbformat = _notebook_tools()
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+        dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+        assert not dirty, f"{path.name}: code cells {dirty} have stored outputs; clear them before committing"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
+def test_notebook_runs(name, tmp_path, monkeypatch):
+    nbclient, nbformat = _notebook_tools()
+    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    for key, value in _env().items():  # the kernel inherits this process's environment
+        monkeypatch.setenv(key, value)
+    workdir = tmp_path / "notebooks"  # what the notebook writes (Trainer output dirs) lands here
+    workdir.mkdir()
+    shutil.copy(NOTEBOOKS / name, workdir / name)
+    client = nbclient.NotebookClient(
+        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}, allow_errors=False
+    )
+    started = time.time()
+    try:
+        client.execute()
+    except nbclient.exceptions.CellExecutionError as err:
+        pytest.fail(f"{name}: a cell raised:\n{str(err)[-4000:]}")
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors, f"{name}: error outputs: {errors}"
+    print(f"{name}: {time.time() - started:.1f} s")
