@@ -79,9 +79,12 @@ class EngineStats:
     useful_flops: float = 0.0  # 6 * P * tokens + 12 * layers * hidden * seq * tokens (no recompute)
     optimizer_wait_s: float = 0.0  # training thread blocked on a background HostAdamW update
     grad_wait_s: float = 0.0  # end of backward blocked on the last gradient accumulations
+    fetches: int = 0  # unit weight fetches
+    fetches_not_ready: int = 0  # ... whose upload had not landed when the compute needed it
 
     def reset(self) -> None:
         self.forward_units = self.backward_units = self.h2d_bytes = self.d2h_bytes = self.tokens = 0
+        self.fetches = self.fetches_not_ready = 0
         self.useful_flops = self.optimizer_wait_s = self.grad_wait_s = 0.0
 
 

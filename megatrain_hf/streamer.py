@@ -83,7 +83,10 @@ class Streamer:
         upload = self._inflight.pop(u, None)
         if upload is None or upload.generation != self._generation(u):
             upload = self._issue(u)
+        self.stats.fetches += 1
         if upload.ready is not None:
+            if not upload.ready.query():
+                self.stats.fetches_not_ready += 1  # the compute stream will wait for this upload
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(upload.ready)  # compute reads the weights only once they landed
             for dev, _ in upload.flats.values():
