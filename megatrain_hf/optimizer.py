@@ -56,6 +56,8 @@ class HostAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._build_state()
         self._grad_scale: tuple | None = None
+        self._skip_next = False
+        self.skipped_steps = 0  # updates skipped through skip_next_step() (non-finite gradients)
         if asynchronous:
             self._jobs: queue.Queue = queue.Queue()
             self._cond = threading.Condition()
@@ -149,6 +151,14 @@ class HostAdamW(torch.optim.Optimizer):
         else:
             self._grad_scale = ("div", torch.reciprocal(coef.detach().to(torch.float32).cpu()))
 
+    def skip_next_step(self) -> None:
+        """Make the next ``step()`` a no-op: masters, moments and step counts stay as they are.
+
+        The Trainer integration calls it when the global gradient norm is inf/nan, so that one bad
+        batch cannot turn the weights into nan (plain ``torch.optim.AdamW`` would apply it).
+        """
+        self._skip_next = True
+
     @torch.no_grad()
     def step(self, closure=None):
         """Snapshot hyper-parameters and gradients now, update unit by unit in the background.
@@ -161,15 +171,24 @@ class HostAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.synchronize()
+        grad_scale, self._grad_scale = getattr(self, "_grad_scale", None), None
+        if self._skip_next:
+            self._skip_next = False
+            self.skipped_steps += 1
+            return loss
+        if self.asynchronous and not self._worker.is_alive():
+            raise RuntimeError(
+                "HostAdamW worker thread is not running (the optimizer was closed, or the thread ended); "
+                "build a new optimizer or restart from the last checkpoint"
+            )
         if self.store.device.type == "cuda":
             torch.cuda.synchronize(self.store.device)  # no upload still reads a staging buffer
-        grad_scale, self._grad_scale = getattr(self, "_grad_scale", None), None
         jobs = []
         for u, groups in self._plan.items():
             work = [self._snapshot(u, gi, entries, grad_scale) for gi, entries in groups.items()]
             work = [w for w in work if w is not None]
             if work:
-                self.store.begin_update(u)
+                self.store.begin_update(u, self._worker if self.asynchronous else None)
                 jobs.append((u, work))
         if not self.asynchronous:
             for job in jobs:

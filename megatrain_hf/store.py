@@ -125,6 +125,7 @@ class HostStore:
         self._ready = [threading.Event() for _ in self.entries]
         for event in self._ready:
             event.set()
+        self._updaters: list[threading.Thread | None] = [None] * len(self.entries)  # who runs that update
         self.generation = [0] * len(self.entries)  # bumped whenever a unit's masters change
         self.error: BaseException | None = None  # first exception of a background update
 
@@ -247,24 +248,44 @@ class HostStore:
             self.generation[i] += 1
 
     # ------------------------------------------------------------------ readiness
-    def begin_update(self, u: int) -> None:
-        """A background update of unit ``u``'s masters starts: readers must wait."""
+    def begin_update(self, u: int, worker: threading.Thread | None = None) -> None:
+        """A background update of unit ``u``'s masters starts (run by ``worker``): readers must wait."""
+        self._updaters[u] = worker
         self._ready[u].clear()
 
     def end_update(self, u: int, error: BaseException | None = None) -> None:
         if error is not None and self.error is None:
             self.error = error
+        self._updaters[u] = None
         self._ready[u].set()
 
     def wait_ready(self, u: int) -> None:
         """Block until unit ``u``'s masters are not being updated; re-raise a background failure."""
-        self._ready[u].wait()
+        self._wait(u)
         self.raise_error()
 
     def synchronize(self) -> None:
-        for event in self._ready:
-            event.wait()
+        for u in range(len(self._ready)):
+            self._wait(u)
         self.raise_error()
+
+    def _wait(self, u: int) -> None:
+        """Wait for unit ``u``; raise instead of hanging if the thread that was to update it is gone."""
+        event = self._ready[u]
+        while not event.wait(timeout=1.0):
+            worker = self._updaters[u]
+            if worker is not None and not worker.is_alive() and not event.is_set():
+                # Release every unit that thread still held: the error is reported once, as for a
+                # failed update, and later reads do not block forever.
+                for v, w in enumerate(self._updaters):
+                    if w is worker:
+                        self._updaters[v] = None
+                        self._ready[v].set()
+                raise RuntimeError(
+                    f"megatrain: the thread updating unit {u} ({self.names[u]}), {worker.name!r}, ended "
+                    "before finishing its update; the optimizer was closed or garbage-collected while an "
+                    "update was pending. Restart from the last checkpoint."
+                )
 
     def raise_error(self) -> None:
         if self.error is not None:

@@ -7,9 +7,13 @@ is inert unless a :class:`MegaTrainPlugin` is passed (in ``callbacks=`` or ``plu
 ``enable()`` is active: then, before the original ``__init__`` runs, it validates the
 ``TrainingArguments`` and attaches the engine to the model, which also gives the model a
 multi-entry ``hf_device_map`` so that neither Trainer nor Accelerate moves it. After ``__init__``
-the plugin overrides two methods *on that Trainer instance only*: ``create_optimizer`` (plain
-AdamW becomes :class:`HostAdamW`, same math) and ``log`` (engine metrics join Trainer's logs,
-hence TensorBoard/W&B). Trainer subclasses (TRL's ``SFTTrainer``) go through the same path.
+the plugin overrides methods *on that Trainer instance only*: ``create_optimizer`` (plain
+AdamW becomes :class:`HostAdamW`, same math), ``log`` (engine metrics join Trainer's logs,
+hence TensorBoard/W&B), ``_clip_grad_norm`` (clipping inside the host update; a non-finite norm
+skips the step), ``_save_checkpoint`` (atomic: written into a hidden staging folder, then renamed)
+and ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler`` (HostAdamW's state as
+one safetensors file per unit, see :mod:`megatrain_hf.checkpoint`). Trainer subclasses (TRL's
+``SFTTrainer``) go through the same path.
 """
 
 from __future__ import annotations
@@ -17,13 +21,26 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
+import pickle
+import shutil
 import time
 import types
+import warnings
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback
 
+from ..checkpoint import (
+    OPTIMIZER_DIR,
+    atomic_write,
+    fsync_path,
+    fsync_tree,
+    has_sharded_optimizer,
+    load_optimizer,
+    save_optimizer,
+)
 from ..config import MegaTrainConfig
 from ..engine import Engine, attach
 from ..optimizer import HostAdamW, convertible
@@ -51,6 +68,7 @@ class MegaTrainPlugin(TrainerCallback):
         self.config = config if config is not None else MegaTrainConfig(**overrides)
         self.engine: Engine | None = None
         self._last_log: tuple[float, int] | None = None
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm (HostAdamW)
 
     # ------------------------------------------------------------------ setup
     def check_args(self, args) -> None:
@@ -120,19 +138,80 @@ class MegaTrainPlugin(TrainerCallback):
 
         def _clip_grad_norm(self, model):
             # Every gradient is on the host once backward returned; clip as a scale inside the update.
-            optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
-            if not isinstance(optimizer, HostAdamW):
+            optimizer = _host_adamw(self)
+            if optimizer is None:
                 return original_clip(model)
             norm = plugin.engine.grads.global_norm()
+            if plugin._skip_if_not_finite(self, optimizer, norm):
+                return norm
             coef = float(self.args.max_grad_norm) / (norm + 1e-6)  # as clip_grad_norm_ computes it
             optimizer.set_clip_coef(torch.clamp(coef, max=1.0))
             return norm
 
+        original_get_grad_norm = getattr(trainer, "_get_grad_norm", None)
+
+        def _get_grad_norm(self, model, grad_norm=None):
+            # max_grad_norm=0: Trainer only measures the norm; a non-finite one still skips the step.
+            optimizer = _host_adamw(self)
+            if grad_norm is not None or optimizer is None:
+                return original_get_grad_norm(model, grad_norm=grad_norm)
+            grad_norm = plugin.engine.grads.global_norm()
+            plugin._skip_if_not_finite(self, optimizer, grad_norm)
+            return grad_norm
+
+        original_save_checkpoint = trainer._save_checkpoint
+        original_get_output_dir = trainer._get_output_dir
+        original_save_opt = trainer._save_optimizer_and_scheduler
+        original_load_opt = trainer._load_optimizer_and_scheduler
+
+        def _save_checkpoint(self, model, trial):
+            return _staged_save_checkpoint(self, original_save_checkpoint, original_get_output_dir, model, trial)
+
+        def _save_optimizer_and_scheduler(self, output_dir):
+            optimizer = _host_adamw(self)
+            if optimizer is None or not self.args.should_save:
+                return original_save_opt(output_dir)
+            save_optimizer(optimizer, os.path.join(output_dir, OPTIMIZER_DIR))
+            _save_scheduler(self, output_dir)
+
+        def _load_optimizer_and_scheduler(self, checkpoint):
+            sharded = checkpoint is not None and has_sharded_optimizer(checkpoint)
+            try:
+                return _load_sharded(self, checkpoint) if sharded else original_load_opt(checkpoint)
+            except pickle.UnpicklingError as exc:  # torch.load(weights_only=True) met code or a foreign class
+                files = SCHEDULER_NAME if sharded else f"{OPTIMIZER_NAME} or {SCHEDULER_NAME}"
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise RuntimeError(
+                    f"megatrain: refused to load {files} of {checkpoint}: it holds pickled objects other than "
+                    "tensors and plain containers, which could run code (torch.load(weights_only=True) refused "
+                    f"it: {first}). Resume only from checkpoints you trust; nothing from the file was executed."
+                ) from exc
+
         trainer.create_optimizer = types.MethodType(create_optimizer, trainer)
         trainer.log = types.MethodType(log, trainer)
         trainer._clip_grad_norm = types.MethodType(_clip_grad_norm, trainer)
+        if original_get_grad_norm is not None:  # transformers 5.17 and 5.24 have it
+            trainer._get_grad_norm = types.MethodType(_get_grad_norm, trainer)
+        trainer._save_checkpoint = types.MethodType(_save_checkpoint, trainer)
+        trainer._save_optimizer_and_scheduler = types.MethodType(_save_optimizer_and_scheduler, trainer)
+        trainer._load_optimizer_and_scheduler = types.MethodType(_load_optimizer_and_scheduler, trainer)
         gradient_state = trainer.accelerator.gradient_state
         self.engine.grads.final_microbatch = lambda: bool(gradient_state.sync_gradients)
+
+    def _skip_if_not_finite(self, trainer, optimizer: HostAdamW, norm: torch.Tensor) -> bool:
+        """inf/nan gradient norm: the optimizer skips this step (weights and AdamW state unchanged)."""
+        if bool(torch.isfinite(norm)):
+            return False
+        optimizer.skip_next_step()
+        self.skipped_steps += 1
+        logger.warning(
+            "megatrain: non-finite gradient norm (%s) at optimizer step %d: skipping this update (weights, "
+            "AdamW moments and step counts unchanged; the LR schedule advances). %d step(s) skipped so far.",
+            float(norm),
+            trainer.state.global_step + 1,
+            self.skipped_steps,
+        )
+        return True
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float]:
@@ -148,6 +227,7 @@ class MegaTrainPlugin(TrainerCallback):
             "megatrain/h2d_GB": stats.h2d_bytes / 1e9,
             "megatrain/d2h_GB": stats.d2h_bytes / 1e9,
             "megatrain/tokens": float(stats.tokens),
+            "megatrain/skipped_steps": float(self.skipped_steps),
         }
         if self._last_log is not None:
             out["megatrain/tokens_per_s"] = stats.tokens / elapsed
@@ -187,6 +267,136 @@ class MegaTrainPlugin(TrainerCallback):
                 str(engine.compute_dtype).replace("torch.", ""),
                 engine.device,
             )
+
+
+def _host_adamw(trainer) -> HostAdamW | None:
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return optimizer if isinstance(optimizer, HostAdamW) else None
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+OPTIMIZER_NAME = "optimizer.pt"  # Trainer's names (transformers.trainer), the same in 5.17 and 5.24
+SCHEDULER_NAME = "scheduler.pt"
+TRAINER_STATE_NAME = "trainer_state.json"
+_STAGING = ".{name}.tmp-{pid}"  # hidden: Trainer's globs (checkpoint-*) never see a folder being written
+
+
+def _save_scheduler(trainer, output_dir: str) -> None:
+    """The LR scheduler exactly as Trainer saves it (torch.save of its state_dict), written atomically."""
+    from transformers.trainer_pt_utils import reissue_pt_warnings
+
+    state = trainer.lr_scheduler.state_dict()
+    with warnings.catch_warnings(record=True) as caught_warnings:
+        atomic_write(os.path.join(output_dir, SCHEDULER_NAME), lambda tmp: torch.save(state, tmp))
+    reissue_pt_warnings(caught_warnings)
+
+
+def _load_sharded(trainer, checkpoint: str) -> None:
+    """Trainer's ``_load_optimizer_and_scheduler`` for a checkpoint holding HostAdamW's shards."""
+    optimizer = _host_adamw(trainer)
+    folder = os.path.join(checkpoint, OPTIMIZER_DIR)
+    if optimizer is None:
+        inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+        raise ValueError(
+            f"{folder} holds megatrain's per-unit HostAdamW state, but this Trainer's optimizer is "
+            f"{type(inner).__name__}. Resume with MegaTrainPlugin(replace_adamw=True) (the default) and "
+            "the AdamW optimizer, or convert the folder with megatrain_hf.checkpoint.to_torch_state_dict()."
+        )
+    scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+    if not os.path.isfile(scheduler_file):  # Trainer loads neither unless both exist
+        logger.warning("megatrain: %s has no %s; optimizer and scheduler state not loaded", checkpoint, SCHEDULER_NAME)
+        return
+    load_optimizer(optimizer, folder)
+    from transformers.trainer_pt_utils import reissue_pt_warnings
+
+    with warnings.catch_warnings(record=True) as caught_warnings:
+        trainer.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+    reissue_pt_warnings(caught_warnings)
+
+
+def _remove_stale_staging(run_dir: str) -> None:
+    """Remove staging folders left by processes that were killed while saving (not by live ones)."""
+    import psutil
+
+    try:
+        names = os.listdir(run_dir)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(".checkpoint-") and ".tmp-" in name):
+            continue
+        pid = name.rsplit(".tmp-", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid() or psutil.pid_exists(int(pid)):
+            continue  # ours, or that process still runs
+        logger.info("megatrain: removing %s, left by an interrupted checkpoint save", name)
+        shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def _staged_save_checkpoint(trainer, original_save, original_get_output_dir, model, trial) -> None:
+    """Trainer's ``_save_checkpoint``, made atomic: a checkpoint folder appears only when complete.
+
+    Trainer writes straight into ``checkpoint-N`` (5.17 and 5.24), so a process killed while saving
+    leaves a partial folder that ``get_last_checkpoint`` and ``resume_from_checkpoint=True`` pick up.
+    Here Trainer's own ``_save_checkpoint`` runs unchanged but with its run directory pointed at a
+    hidden staging folder ``.checkpoint-N.tmp-<pid>``; everything it wrote is fsync'ed, then renamed
+    to ``checkpoint-N`` (one atomic rename), and what Trainer does with the run directory (the best
+    checkpoint's path, rotation under ``save_total_limit``) is redone on the real one.
+    """
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+    args = trainer.args
+    if args.push_to_hub or not args.should_save:  # the hub upload reads the folder in the background
+        return original_save(model, trial)
+    run_dir = original_get_output_dir(trial=trial)
+    name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    final = os.path.join(run_dir, name)
+    staging_root = os.path.join(run_dir, _STAGING.format(name=name, pid=os.getpid()))
+    os.makedirs(run_dir, exist_ok=True)
+    _remove_stale_staging(run_dir)
+    shutil.rmtree(staging_root, ignore_errors=True)
+    os.makedirs(staging_root)
+    staged = os.path.join(staging_root, name)
+    missing = object()
+    previous = trainer.__dict__.get("_get_output_dir", missing)
+    trainer.__dict__["_get_output_dir"] = lambda trial=None: staging_root
+    try:
+        original_save(model, trial)
+    except BaseException:
+        shutil.rmtree(staging_root, ignore_errors=True)
+        raise
+    finally:
+        if previous is missing:
+            trainer.__dict__.pop("_get_output_dir", None)
+        else:
+            trainer.__dict__["_get_output_dir"] = previous
+
+    # Trainer looked for the best checkpoint in the staging root; redo it on the run directory.
+    state = trainer.state
+    strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+    if strategy in ("steps", "epoch", "best") and state.best_global_step:
+        best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+        if state.best_global_step == state.global_step or os.path.exists(best):
+            state.best_model_checkpoint = best
+    if os.path.isfile(os.path.join(staged, TRAINER_STATE_NAME)):
+        state.save_to_json(os.path.join(staged, TRAINER_STATE_NAME))
+
+    fsync_tree(staging_root)
+    trash = None
+    if os.path.exists(final):  # saving the same step again (e.g. after resuming from an earlier one)
+        trash = os.path.join(run_dir, _STAGING.format(name=name + ".old", pid=os.getpid()))
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+    os.rename(staged, final)  # the commit point
+    fsync_path(run_dir)
+    shutil.rmtree(staging_root, ignore_errors=True)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    rotate_checkpoints(
+        output_dir=run_dir,
+        save_total_limit=args.save_total_limit,
+        best_model_checkpoint=state.best_model_checkpoint,
+        use_mtime=True,
+    )
 
 
 def _find_plugin(plugins, callbacks) -> MegaTrainPlugin | None:
