@@ -254,6 +254,14 @@ class Engine:
         self._set_instance_attr(base, "hf_device_map", device_map)
         hook = base.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize())
         self._undo.append(hook.remove)
+        original_zero_grad = base.zero_grad
+
+        def zero_grad(set_to_none: bool = True) -> None:
+            if not set_to_none:
+                self.synchronize()  # a background update reads the gradient buffers in place
+            original_zero_grad(set_to_none=set_to_none)
+
+        self._set_instance_attr(base, "zero_grad", zero_grad)
         # load_state_dict (resume, load_best_model_at_end) must not race a background update,
         # and changes the masters (re-stage them)
         hook = base.register_load_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize())

@@ -183,13 +183,15 @@ class HostAdamW(torch.optim.Optimizer):
             )
         if self.store.device.type == "cuda":
             torch.cuda.synchronize(self.store.device)  # no upload still reads a staging buffer
-        jobs = []
+        jobs = []  # snapshot everything first: a failure here leaves no unit marked busy
         for u, groups in self._plan.items():
             work = [self._snapshot(u, gi, entries, grad_scale) for gi, entries in groups.items()]
             work = [w for w in work if w is not None]
             if work:
-                self.store.begin_update(u, self._worker if self.asynchronous else None)
                 jobs.append((u, work))
+        worker = self._worker if self.asynchronous else None
+        for u, _ in jobs:
+            self.store.begin_update(u, worker)
         if not self.asynchronous:
             for job in jobs:
                 self._run_job(job)
@@ -278,6 +280,11 @@ class HostAdamW(torch.optim.Optimizer):
     def state_dict(self):
         self.synchronize()
         return super().state_dict()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:
+            self.synchronize()  # the running update reads these gradient buffers in place
+        super().zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
         """Stop the worker thread (after finishing pending updates)."""

@@ -252,6 +252,7 @@ class HostStore:
         """A background update of unit ``u``'s masters starts (run by ``worker``): readers must wait."""
         self._updaters[u] = worker
         self._ready[u].clear()
+        self.generation[u] += 1  # now, on the training thread: an upload issued before is stale
 
     def end_update(self, u: int, error: BaseException | None = None) -> None:
         if error is not None and self.error is None:

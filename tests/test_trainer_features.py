@@ -109,3 +109,14 @@ def test_activation_checkpointing_flag_is_translated(tmp_path, caplog):
     assert_close_params(state_of(ref), state_of(model), ATOL)
     assert not model.model.layers[0].gradient_checkpointing
     assert "already checkpoints every layer" in caplog.text
+
+
+def test_engine_metrics_in_trainer_logs(tmp_path):
+    model = tiny_model("llama")
+    trainer, _ = train(model, training_args(tmp_path / "mt"), callbacks=[MegaTrainPlugin()])
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    for key in ("megatrain/tokens_per_s", "megatrain/tflops", "megatrain/link_GBps", "megatrain/host_rss_GiB",
+                "megatrain/optimizer_wait_frac", "megatrain/grad_wait_frac"):
+        assert key in logs[-1], key
+    assert logs[-1]["megatrain/tokens"] == 2 * 2 * 16  # 2 micro-batches x 2 sequences x 16 tokens
+    assert logs[-1]["megatrain/tflops"] > 0

@@ -234,6 +234,9 @@ class MegaTrainPlugin(TrainerCallback):
             out["megatrain/link_GBps"] = (stats.h2d_bytes + stats.d2h_bytes) / 1e9 / elapsed
             out["megatrain/optimizer_wait_frac"] = stats.optimizer_wait_s / elapsed
             out["megatrain/grad_wait_frac"] = stats.grad_wait_s / elapsed
+            out["megatrain/tflops"] = stats.useful_flops / elapsed / 1e12  # 6PT + 12LHST, no recompute
+            if stats.fetches:
+                out["megatrain/h2d_not_ready_frac"] = stats.fetches_not_ready / stats.fetches
         try:
             import psutil
 
