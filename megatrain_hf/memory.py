@@ -48,6 +48,8 @@ from typing import Any, Iterable
 import psutil
 import torch
 
+from .store import wire_dtype
+
 logger = logging.getLogger(__name__)
 
 GiB = 2**30
@@ -292,8 +294,9 @@ def _layout(shape: ModelShape, lora_rank: int | None, lora_targets: Iterable[str
         if bias:
             layer.append(_Tensor(fo, False, full))
         if lora and lname in lora_targets:
-            layer.append(_Tensor(lora_rank * fi, True, True))  # lora_A: (r, in)
-            layer.append(_Tensor(fo * lora_rank, True, True))  # lora_B: (out, r)
+            # LoRA matrices travel in fp32 like vectors (store.wire_dtype): matrix=False here
+            layer.append(_Tensor(lora_rank * fi, False, True))  # lora_A: (r, in)
+            layer.append(_Tensor(fo * lora_rank, False, True))  # lora_B: (out, r)
     if shape.qk_norm:
         layer += [_Tensor(shape.dim_head, False, full)] * 2
     layer += [_Tensor(shape.hidden, False, full)] * shape.norms_per_layer
@@ -361,16 +364,12 @@ def host_breakdown_for_units(
     trainable = low_precision = frozen = 0
     for u, item in enumerate(units):
         module = item[1] if isinstance(item, tuple) else item
-        for _, p in module.named_parameters(remove_duplicate=False):
+        for name, p in module.named_parameters(remove_duplicate=False):
             if id(p) in seen:  # tied: lives in the first unit that has it
                 continue
             seen.add(id(p))
             n = _aligned(p.numel())
-            # store.wire_dtype: matrices outside embedding tables travel in the compute dtype
-            if p.ndim >= 2 and u not in embedding_units:
-                wire = dtype
-            else:
-                wire = torch.float32 if p.is_floating_point() else p.dtype
+            wire = wire_dtype(p, dtype, u in embedding_units, name)  # the store's own rule
             if p.requires_grad:
                 trainable += n
                 low_precision += n if wire != torch.float32 else 0

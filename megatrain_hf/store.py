@@ -84,14 +84,16 @@ class UnitBuffers:
     staged_versions: tuple[int, ...] = ()
 
 
-def wire_dtype(param: torch.Tensor, compute_dtype: torch.dtype, is_embedding: bool) -> torch.dtype:
-    """Matrices travel in the compute dtype; vectors (norms, biases) and embedding tables in fp32.
+def wire_dtype(param: torch.Tensor, compute_dtype: torch.dtype, is_embedding: bool, name: str = "") -> torch.dtype:
+    """Matrices travel in the compute dtype; vectors (norms, biases), embedding tables and PEFT
+    LoRA matrices (``lora_A``/``lora_B``: PEFT casts the adapter's input to their dtype, so a bf16
+    copy would move LoRA dropout and its backward to bf16) in fp32.
 
     This is exactly what autocast does to an fp32 model: matmul weights are rounded to bf16,
     embeddings, norms and the residual stream stay fp32. Keeping that split makes bf16 runs match
     plain HF bf16 training closely instead of drifting with a bf16 residual stream.
     """
-    if param.ndim >= 2 and not is_embedding:
+    if param.ndim >= 2 and not is_embedding and ".lora_" not in f".{name}":
         return compute_dtype
     return torch.float32 if param.is_floating_point() else param.dtype
 
@@ -148,7 +150,7 @@ class HostStore:
                         "e.g. AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)."
                     )
                 kind = "trainable" if param.requires_grad else "frozen"
-                wire = wire_dtype(param, self.compute_dtype, u in embedding_units)
+                wire = wire_dtype(param, self.compute_dtype, u in embedding_units, name)
                 entry = Entry(name, param, kind, u, wire, 0, param.shape)
                 self._param_home[id(param)] = (u, entry)
                 entries.append(entry)

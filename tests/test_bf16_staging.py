@@ -60,3 +60,25 @@ def test_stale_staging_would_be_caught(tmp_path):
         HostStore.stage = original
     with pytest.raises(AssertionError):
         assert_close_losses(ref_losses, losses, LOSS_ATOL_BF16)
+
+
+def test_lora_bf16_matches_autocast(tmp_path):
+    """LoRA matrices travel in fp32 (PEFT casts the adapter input to their dtype); the frozen base
+    weights are kept in bf16 on the host, i.e. exactly what autocast computes with."""
+    peft = pytest.importorskip("peft")
+
+    def build():
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+        return peft.get_peft_model(tiny_model("llama"), config)
+
+    ref = build()
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", bf16=True))
+    model = build()
+    _, losses = train(model, training_args(tmp_path / "mt", bf16=True), callbacks=[MegaTrainPlugin()])
+    assert_close_losses(ref_losses, losses, LOSS_ATOL_BF16)
+    ref_state, state = state_of(ref), state_of(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert_close_params({n: ref_state[n] for n in trainable}, {n: state[n] for n in trainable}, PARAM_ATOL_BF16)
+    for n, p in model.named_parameters():
+        if not p.requires_grad and p.dtype == torch.bfloat16:  # frozen matrices: stored in bf16
+            torch.testing.assert_close(state[n], ref_state[n].to(torch.bfloat16).float(), atol=0, rtol=0)
