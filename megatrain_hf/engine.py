@@ -341,6 +341,20 @@ class Engine:
                 self.store.mark_dirty()
                 return
 
+    def check_trainability(self) -> None:
+        """Raise if a parameter's ``requires_grad`` changed since attach (the store laid it out then)."""
+        changed = []
+        for entries in self.store.entries:
+            for e in entries:
+                if e.kind in ("trainable", "frozen") and e.tensor.requires_grad != (e.kind == "trainable"):
+                    changed.append(f"{e.name} ({e.kind} at attach)")
+        if changed:
+            raise ValueError(
+                f"requires_grad changed after megatrain was attached for {len(changed)} parameter(s), e.g. "
+                f"{changed[:3]}. Freeze/unfreeze (or apply PEFT) before building the Trainer / calling attach(); "
+                "or call handle.detach() and attach again."
+            )
+
     def mark_dirty(self) -> None:
         """Call after changing parameters in place through ``.data`` (nothing else needs it)."""
         self.store.mark_dirty()

@@ -178,3 +178,13 @@ def test_host_ram_short_raises_before_allocating(monkeypatch):
     with pytest.raises(MemoryError, match=r"(?s)GiB.*Fix"):
         attach(model, device="cpu")
     assert "forward" not in vars(model.model.layers[0])
+
+
+def test_requires_grad_changed_after_attach(tmp_path):
+    from transformers import Trainer
+
+    model = tiny_model("llama")
+    trainer = Trainer(model=model, args=training_args(tmp_path), train_dataset=RandomTokens(), callbacks=[MegaTrainPlugin()])
+    model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"requires_grad changed after megatrain was attached.*before building the Trainer"):
+        trainer.train()

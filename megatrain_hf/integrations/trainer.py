@@ -257,6 +257,7 @@ class MegaTrainPlugin(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         engine = self.engine
         if engine is not None:
+            engine.check_trainability()
             self._last_log = (time.perf_counter(), 0)
             engine.stats.reset()
             logger.info(
