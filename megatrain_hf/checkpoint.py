@@ -151,7 +151,9 @@ def save_optimizer(optimizer, folder: str) -> None:
             "unit_name": optimizer.store.names[u],
             "units": json.dumps(units),
             "numel": str(exp_avg.numel()),
-            "steps": json.dumps({str(gi): float(optimizer._steps[(u, gi)]) for gi in optimizer._plan[u]}),
+            "steps": json.dumps(
+                {str(gi): [float(step) for step in optimizer._steps[(u, gi)]] for gi in optimizer._plan[u]}
+            ),
             "layout": json.dumps(_layout(optimizer, u)),
             "param_groups": hyper,
         }
@@ -223,8 +225,11 @@ def load_optimizer(optimizer, folder: str) -> None:
         with safe_open(unit_file(folder, u), framework="pt") as f:
             optimizer._exp_avg[u].copy_(f.get_tensor("exp_avg"))
             optimizer._exp_avg_sq[u].copy_(f.get_tensor("exp_avg_sq"))
-        for gi, step in json.loads(meta["steps"]).items():
-            optimizer._steps[(u, int(gi))].fill_(step)
+        for gi, saved in json.loads(meta["steps"]).items():
+            counters = optimizer._steps[(u, int(gi))]
+            saved = saved if isinstance(saved, list) else [saved] * len(counters)  # one value per group
+            for counter, value in zip(counters, saved):
+                counter.fill_(value)
     for group, saved in zip(optimizer.param_groups, saved_groups):
         group.update(saved)  # as torch's load_state_dict: the saved hyper-parameters (lr, betas, ...)
 
@@ -246,13 +251,14 @@ def to_torch_state_dict(folder: str) -> dict:
         with safe_open(unit_file(folder, u), framework="pt") as f:
             exp_avg, exp_avg_sq = f.get_tensor("exp_avg"), f.get_tensor("exp_avg_sq")
         for gi, params in json.loads(meta["layout"]).items():
-            for index, offset, shape in params:
+            group_steps = steps[gi] if isinstance(steps[gi], list) else [steps[gi]] * len(params)
+            for (index, offset, shape), step in zip(params, group_steps):
                 numel = 1
                 for s in shape:
                     numel *= s
                 members[int(gi)].append(index)
                 state[index] = {
-                    "step": torch.tensor(steps[gi], dtype=torch.float32),
+                    "step": torch.tensor(step, dtype=torch.float32),
                     "exp_avg": exp_avg[offset : offset + numel].clone().view(shape),
                     "exp_avg_sq": exp_avg_sq[offset : offset + numel].clone().view(shape),
                 }

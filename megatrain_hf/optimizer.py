@@ -101,13 +101,15 @@ class HostAdamW(torch.optim.Optimizer):
         self._plan = {u: dict(groups) for u, groups in sorted(plan.items())}
         self._exp_avg: dict[int, torch.Tensor] = {}
         self._exp_avg_sq: dict[int, torch.Tensor] = {}
-        self._steps: dict[tuple[int, int], torch.Tensor] = {}
+        # one step counter per parameter, as torch's AdamW: a parameter without a gradient in a
+        # step keeps its count (and its bias correction)
+        self._steps: dict[tuple[int, int], list[torch.Tensor]] = {}
         for u, groups in self._plan.items():
             numel = self.store.buffers[u].master_host.numel()
             self._exp_avg[u] = self.store.allocate(numel, torch.float32).zero_()
             self._exp_avg_sq[u] = self.store.allocate(numel, torch.float32).zero_()
-            for gi in groups:
-                self._steps[(u, gi)] = torch.zeros((), dtype=torch.float32)
+            for gi, entries in groups.items():
+                self._steps[(u, gi)] = [torch.zeros((), dtype=torch.float32) for _ in entries]
         self._build_state_views()
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -117,10 +119,9 @@ class HostAdamW(torch.optim.Optimizer):
         self._build_state_views()
         for u, groups in self._plan.items():
             for gi, entries in groups.items():
-                steps = [float(loaded[e.tensor]["step"]) for e in entries if "step" in loaded.get(e.tensor, {})]
-                self._steps[(u, gi)].fill_(max(steps) if steps else 0.0)
-                for e in entries:
+                for e, step in zip(entries, self._steps[(u, gi)]):
                     src = loaded.get(e.tensor, {})
+                    step.fill_(float(src["step"]) if "step" in src else 0.0)
                     for key in ("exp_avg", "exp_avg_sq"):
                         if key in src:
                             self.state[e.tensor][key].copy_(src[key].reshape(e.shape))
@@ -128,9 +129,9 @@ class HostAdamW(torch.optim.Optimizer):
     def _build_state_views(self) -> None:
         for u, groups in self._plan.items():
             for gi, entries in groups.items():
-                for e in entries:
+                for e, step in zip(entries, self._steps[(u, gi)]):
                     self.state[e.tensor] = {
-                        "step": self._steps[(u, gi)],
+                        "step": step,
                         "exp_avg": self._exp_avg[u][e.offset : e.offset + e.numel].view(e.shape),
                         "exp_avg_sq": self._exp_avg_sq[u][e.offset : e.offset + e.numel].view(e.shape),
                     }
@@ -205,12 +206,13 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _snapshot(self, u: int, gi: int, entries: list[Entry], grad_scale) -> tuple | None:
         group = self.param_groups[gi]
-        params, grads, exp_avgs, exp_avg_sqs = [], [], [], []
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
         for e in entries:
             p = e.tensor
             if p.grad is None:
                 continue
             state = self.state[p]
+            steps.append(state["step"])
             params.append(p)
             grads.append(p.grad)  # the tensor itself: zero_grad() may drop p.grad meanwhile
             exp_avgs.append(state["exp_avg"])
@@ -227,14 +229,14 @@ class HostAdamW(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=group["maximize"],
         )
-        return self._steps[(u, gi)], params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale
+        return steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale
 
     def _run_job(self, job) -> None:
         u, work = job
         error = None
         try:
-            for step, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale in work:
-                step += 1
+            for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale in work:
+                torch._foreach_add_(steps, 1)
                 divide_by = None
                 if grad_scale is not None:
                     how, value = grad_scale
@@ -243,7 +245,7 @@ class HostAdamW(torch.optim.Optimizer):
                     else:
                         divide_by = value
                 torch._fused_adamw_(
-                    params, grads, exp_avgs, exp_avg_sqs, [], [step] * len(params),
+                    params, grads, exp_avgs, exp_avg_sqs, [], steps,
                     amsgrad=False, grad_scale=divide_by, found_inf=None, **hyper,
                 )
             self.store.mark_dirty(u)

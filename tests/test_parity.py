@@ -107,3 +107,27 @@ def test_trainer_subclass(tmp_path):
     assert engine_of(model) is not None and len(calls) == 24
     assert_close_losses(ref_losses, losses, ATOL_FP32)
     assert_close_params(state_of(ref_model), state_of(model), ATOL_FP32)
+
+
+def test_host_adamw_matches_torch_adamw_with_unused_parameters():
+    """Per-parameter step counts: a parameter without a gradient in a step keeps its count."""
+    from megatrain_hf import attach
+
+    models = [tiny_model("llama"), tiny_model("llama")]
+    engine = attach(models[1], device="cpu")
+    ref_opt = torch.optim.AdamW(models[0].parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    opt = HostAdamW(models[1].parameters(), store=engine.store, lr=1e-2, weight_decay=0.1)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    for step in range(4):
+        for model, optimizer in ((models[0], ref_opt), (models[1], opt)):
+            torch.manual_seed(step)
+            model(input_ids=ids, labels=ids).loss.backward()
+            if step == 1:  # the first layer's MLP gets no update this step
+                for p in model.model.layers[0].mlp.parameters():
+                    p.grad = None
+            optimizer.step()
+            optimizer.zero_grad()
+    opt.synchronize()
+    assert_close_params(state_of(models[0]), state_of(models[1]), ATOL_FP32)
+    up = models[1].model.layers[0].mlp.up_proj.weight
+    assert float(opt.state[up]["step"]) == 3.0
