@@ -41,6 +41,7 @@ class GradSink:
         self.stats = stats
         self.final_microbatch: Callable[[], bool] = lambda: True  # set by integrations (GA hint)
         self.norms: list[tuple | None] = [None] * len(store.entries)  # (grad key, per-tensor norms)
+        self._foreign: dict[int, list] = {}  # owner unit -> tied-weight gradients waiting for it
         self._error: BaseException | None = None
         self._pending = 0
         self._cond = threading.Condition()
@@ -88,10 +89,14 @@ class GradSink:
         for e, g in zip(entries, grads):
             if g is not None:
                 (local if e.owner == u else foreign).append((e, g))
-        for e, g in foreign:  # tied weight held by another unit: rare, done inline
-            self._count(g)
-            self.store.accumulate_grad(e, g)
-            self.norms[e.owner] = None
+        for e, g in foreign:
+            # A tied weight held by another unit (lm_head -> embedding): keep this contribution on
+            # the device and add it to the owner's own gradient when the owner's backward submits,
+            # which is what autograd does for a shared parameter (one sum, then one accumulation).
+            self._foreign.setdefault(e.owner, []).append((e, g))
+        pending = self._foreign.pop(u, [])
+        if pending:
+            local = self._merge_foreign(local, pending)
         if self._worker is None:
             for e, g in local:
                 self.store.accumulate_grad(e, g)
@@ -114,6 +119,27 @@ class GradSink:
             self._pending += 1
         self.norms[u] = None
         self._jobs.put((u, slab, done, local, want_norm))
+
+    @staticmethod
+    def _merge_foreign(local: list, pending: list) -> list:
+        merged = list(local)
+        for e, g in pending:
+            for i, (le, lg) in enumerate(merged):
+                if le.tensor is e.tensor:
+                    merged[i] = (le, g.to(lg.dtype) + lg)
+                    break
+            else:
+                merged.append((e, g))
+        return merged
+
+    def flush_foreign(self) -> None:
+        """Accumulate tied-weight contributions whose owner did not run in this backward."""
+        pending, self._foreign = self._foreign, {}
+        for owner, items in pending.items():
+            for e, g in items:
+                self._count(g)
+                self.store.accumulate_grad(e, g)
+            self.norms[owner] = None
 
     def _count(self, g: torch.Tensor) -> None:
         if g.device.type != "cpu":
@@ -159,6 +185,8 @@ class GradSink:
     # ------------------------------------------------------------------ results
     def wait(self) -> None:
         """Block until every submitted gradient is in the host accumulators."""
+        if self._foreign:
+            self.flush_foreign()
         with self._cond:
             while self._pending:
                 self._cond.wait(timeout=1.0)
