@@ -21,8 +21,8 @@ import sysconfig
 import time
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments
+from common import train_tokenizer  # examples/common.py: byte-level BPE trained locally
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from megatrain_hf import MegaTrainPlugin
 
@@ -38,17 +38,6 @@ def stdlib_text(max_bytes: int) -> str:
         if size >= max_bytes:
             break
     return "\n".join(chunks)
-
-
-def train_tokenizer(text: str, vocab_size: int) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator([text[i : i + 10_000] for i in range(0, len(text), 10_000)], trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<eos>")
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -80,7 +69,7 @@ def main() -> None:
 
     started = time.time()
     text = stdlib_text(200_000 if args.smoke else 3_000_000)
-    tokenizer = train_tokenizer(text, vocab_size=512 if args.smoke else 4096)
+    tokenizer = train_tokenizer([text], vocab_size=512 if args.smoke else 4096)
     ids = tokenizer(text)["input_ids"]
     dataset = Blocks(ids, args.seq_len)
     print(f"corpus: {len(text) / 1e6:.1f} MB of stdlib source, {len(ids) / 1e6:.2f} M tokens, {len(dataset)} blocks")

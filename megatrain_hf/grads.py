@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from .store import Entry, HostStore
+from .workers import start_worker
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +68,7 @@ class GradSink:
                 )
             )
         self._jobs: queue.Queue = queue.Queue()
-        # The thread holds only a weak reference: a sink nobody uses any more is collected.
-        self._worker = threading.Thread(
-            target=_serve, args=(self._jobs, weakref.ref(self), self.host_threads), name="megatrain-grads", daemon=True
-        )
-        self._worker.start()
+        self._worker = start_worker(self, self._jobs, "_process", self.host_threads, "megatrain-grads")
 
     def close(self) -> None:
         if self._worker is not None:
@@ -226,13 +222,3 @@ class GradSink:
         self.norms = [None] * len(self.norms)
 
 
-def _serve(jobs: queue.Queue, sink_ref, threads: int) -> None:
-    """Worker thread body: process jobs while the sink is alive."""
-    torch.set_num_threads(threads)
-    while True:
-        job = jobs.get()
-        sink = sink_ref() if job is not None else None
-        if sink is None:
-            return
-        sink._process(job)
-        del sink, job

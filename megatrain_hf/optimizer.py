@@ -16,12 +16,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import weakref
 from collections import defaultdict
 
 import torch
 
 from .store import Entry, HostStore
+from .workers import start_worker
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +62,7 @@ class HostAdamW(torch.optim.Optimizer):
             self._jobs: queue.Queue = queue.Queue()
             self._cond = threading.Condition()
             self._pending = 0
-            # The thread holds only a weak reference: an optimizer nobody uses any more is collected.
-            self._worker = threading.Thread(
-                target=_serve, args=(self._jobs, weakref.ref(self), host_threads), name="megatrain-adamw", daemon=True
-            )
-            self._worker.start()
+            self._worker = start_worker(self, self._jobs, "_serve_one", host_threads, "megatrain-adamw")
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, store: HostStore, **kwargs) -> "HostAdamW":
@@ -296,16 +292,6 @@ class HostAdamW(torch.optim.Optimizer):
             self._worker.join(timeout=60)
 
 
-def _serve(jobs: queue.Queue, optimizer_ref, threads: int) -> None:
-    """Worker thread body: run update jobs while the optimizer is alive."""
-    torch.set_num_threads(threads)
-    while True:
-        job = jobs.get()
-        optimizer = optimizer_ref() if job is not None else None
-        if optimizer is None:
-            return
-        optimizer._serve_one(job)
-        del optimizer, job
 
 
 _ADAMW_KEYS = frozenset(
