@@ -65,6 +65,15 @@ class MegaTrainConfig:
     the fused update divides by the inverse coefficient on the fly -- one pass over the
     gradients less, results differ in the last bit when clipping triggers."""
 
+    layer_major: bool | str = "auto"
+    """Gradient accumulation order under Trainer with `gradient_accumulation_steps > 1`: `True`
+    runs all micro-batches of an optimizer step through each layer before the next (each layer
+    uploaded twice per step instead of twice per micro-batch, its gradients summed on the GPU and
+    downloaded once); `False` runs them one after another as plain Trainer does. `"auto"`: layer-major
+    unless the model has active dropout (its random masks would then be drawn in a different order
+    than plain Trainer draws them). Activation checkpoints of all micro-batches of a step are
+    alive at once on the GPU (see docs/memory.md)."""
+
     check_host_memory: bool = True
     """Before allocating, compare the host bytes the plan needs with the RAM available and raise
     with the arithmetic if it does not fit. Turn off only where the OS reports less available
@@ -87,6 +96,10 @@ class MegaTrainConfig:
         if self.host_threads is not None and (not isinstance(self.host_threads, int) or self.host_threads < 1):
             raise ValueError(
                 f"MegaTrainConfig.host_threads={self.host_threads!r}; allowed: None (all CPUs) or an int >= 1."
+            )
+        if self.layer_major not in (True, False, "auto"):
+            raise ValueError(
+                f"MegaTrainConfig.layer_major={self.layer_major!r}; allowed: True, False or 'auto'."
             )
         if self.pin_memory not in (True, False, "auto"):
             raise ValueError(

@@ -23,8 +23,9 @@ import contextlib
 import logging
 import time
 import weakref
-from dataclasses import dataclass
-from typing import Any
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .adapters import Units, locate_units, unwrap
 from .config import MegaTrainConfig
+from . import layer_major
 from .grads import GradSink
 from .store import Entry, HostStore
 from .streamer import Streamer
@@ -80,28 +82,50 @@ class EngineStats:
     optimizer_wait_s: float = 0.0  # training thread blocked on a background HostAdamW update
     grad_wait_s: float = 0.0  # end of backward blocked on the last gradient accumulations
     fetches: int = 0  # unit weight fetches
+    uploads: int = 0  # ... that had to upload the unit (the others reused the copy on the device)
     fetches_not_ready: int = 0  # ... whose upload had not landed when the compute needed it
 
     def reset(self) -> None:
         self.forward_units = self.backward_units = self.h2d_bytes = self.d2h_bytes = self.tokens = 0
-        self.fetches = self.fetches_not_ready = 0
+        self.fetches = self.fetches_not_ready = self.uploads = 0
         self.useful_flops = self.optimizer_wait_s = self.grad_wait_s = 0.0
 
 
+@dataclass
+class _Group:
+    """A layer-major accumulation group in progress (see :mod:`megatrain_hf.layer_major`)."""
+
+    tokens: list = field(default_factory=list)  # round -> tokens of that round's unit calls
+    anchors: dict = field(default_factory=dict)  # round -> anchor its calls take (previous round's tokens, summed)
+    rounds: dict = field(default_factory=dict)  # coroutine index -> unit calls with a graph node so far
+    current: Any = None  # the coroutine whose unit call the driver is executing
+    backward_open: bool = False  # the group's one backward over all micro-batches is running
+
+
 class _StreamedUnit(torch.autograd.Function):
+    """One unit call: output and a zero scalar *token* (layer-major ordering, see ``_anchor_for``)."""
+
     @staticmethod
-    def forward(ctx, engine: "Engine", call: _Call, anchor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, engine: "Engine", call: _Call, anchor: torch.Tensor, x: torch.Tensor):
         ctx.engine, ctx.call = engine, call
         ctx.save_for_backward(x)  # the activation checkpoint of this unit
         out = engine._compute(call, x, engine.streamer.fetch(call.unit))
         engine.streamer.prefetch(call.unit + 1)  # after the compute is queued: never delays it
-        return out
+        return out, anchor.new_zeros(())
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, grad_token: torch.Tensor):
         (x,) = ctx.saved_tensors
         engine = ctx.engine
+        group = engine._group
+        if group is not None and not group.backward_open:
+            raise RuntimeError(
+                "megatrain: a backward pass started inside one micro-batch of a layer-major accumulation "
+                "group, before the other micro-batches ran their forward. Inside Trainer.training_step call "
+                "self.accelerator.backward(loss) (Trainer's own code does), in your own loop use "
+                "engine.backward(loss); or turn the schedule off with MegaTrainConfig(layer_major=False)."
+            )
         engine._at_backward_end()
         try:
             grad_x = engine._recompute_backward(ctx.call, x, grad_out)
@@ -161,6 +185,7 @@ class Engine:
         self._attn_flops_per_seq = 12.0 * layers * hidden
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         self._end_queued = False
+        self._group: _Group | None = None
         self._install(model, units)
         logger.info(
             "megatrain attached: %d units (%d templates), %.1fM trainable params, %.2f GiB host, "
@@ -298,6 +323,7 @@ class Engine:
         """autograd drops queued callbacks when a backward fails: undo what the pass had started."""
         self._end_queued = False
         self.streamer.drop_prefetched()
+        self.grads.drop_held()
         try:
             self.grads.wait()  # no slab of the failed pass may land in the next step's gradients
         except RuntimeError:
@@ -355,6 +381,22 @@ class Engine:
                 "or call handle.detach() and attach again."
             )
 
+    def active_dropout(self) -> list[str]:
+        """Modules that draw random numbers in training mode (dropout probability > 0)."""
+        found = []
+        for name, module in self.model.named_modules():
+            if not module.training:
+                continue
+            if isinstance(module, nn.modules.dropout._DropoutNd):
+                if module.p > 0:
+                    found.append(name)
+                continue
+            for attr in ("attention_dropout", "dropout"):
+                value = module.__dict__.get(attr)
+                if isinstance(value, float) and value > 0:
+                    found.append(f"{name}.{attr}")
+        return found
+
     def mark_dirty(self) -> None:
         """Call after changing parameters in place through ``.data`` (nothing else needs it)."""
         self.store.mark_dirty()
@@ -367,6 +409,12 @@ class Engine:
         return forward
 
     def _unit_forward(self, u: int, args: tuple, kwargs: dict) -> torch.Tensor:
+        coroutine = layer_major.current(self)
+        if coroutine is not None:  # a micro-batch of a layer-major group: the driver runs the call
+            return coroutine.call(u, args, kwargs)
+        return self._unit_forward_now(u, args, kwargs)
+
+    def _unit_forward_now(self, u: int, args: tuple, kwargs: dict) -> torch.Tensor:
         if args:
             x, rest, key = args[0], args[1:], None
         else:
@@ -402,7 +450,98 @@ class Engine:
             call.cpu_rng = torch.get_rng_state()
             if dev_type == "cuda":
                 call.dev_rng = torch.cuda.get_rng_state(self.device)
-        return _StreamedUnit.apply(self, call, self.anchor, x)
+        out, token = _StreamedUnit.apply(self, call, self._anchor_for_call(), x)
+        group = self._group
+        if group is not None and group.current is not None:
+            r = group.rounds.get(group.current.index, 0)
+            group.rounds[group.current.index] = r + 1
+            while len(group.tokens) <= r:
+                group.tokens.append([])
+            group.tokens[r].append(token)
+            self.grads.count_call(u)
+        return out
+
+    def _anchor_for_call(self) -> torch.Tensor:
+        """The requires-grad scalar input of a streamed call.
+
+        Outside a layer-major group: the engine's leaf anchor (so that backward reaches every
+        unit). Inside one, round r's calls take the sum of round r-1's tokens: autograd runs that
+        sum's backward only after every round-r call's backward, and every round-(r-1) call waits
+        for it, so unit u finishes for all micro-batches before unit u-1 starts (one upload, one
+        gradient download per unit).
+        """
+        group = self._group
+        r = group.rounds.get(group.current.index, 0) if group is not None and group.current is not None else 0
+        if r == 0:
+            return self.anchor
+        anchor = group.anchors.get(r)
+        if anchor is None:
+            tokens = group.tokens[r - 1]
+            anchor = tokens[0] if len(tokens) == 1 else torch.stack(tokens).sum()
+            group.anchors[r] = anchor
+        return anchor
+
+    # ------------------------------------------------------------------ layer-major accumulation
+    def run_layer_major(self, fns: list[Callable[[], Any]]) -> list[Any]:
+        """Run micro-batch steps layer-major (see :mod:`megatrain_hf.layer_major`); return their results.
+
+        Each callable runs one micro-batch's forward and calls :meth:`backward` on its loss, like a
+        training step; the backward of all of them runs once all forwards are done.
+        """
+        if self._group is not None:
+            raise RuntimeError("megatrain: run_layer_major() cannot be nested")
+        if len(fns) == 1:
+            return [fns[0]()]
+        self._group = _Group()
+        self.grads.begin_group()
+        try:
+            return layer_major.run(self, self.device, fns, self._execute_group_call, self._group_backward)
+        finally:
+            self._group = None
+            self.grads.end_group()
+
+    def accumulate(self, loss_fns: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+        """Forward + backward of several micro-batches of one optimizer step, layer-major.
+
+        Each callable computes one micro-batch's loss, already scaled as you want it accumulated
+        (e.g. divided by the number of micro-batches); the gradients of all of them are in
+        ``param.grad`` when this returns, as after one ``loss.backward()`` per micro-batch.
+        Returns the detached losses. Example::
+
+            losses = engine.accumulate([lambda b=b: model(**b).loss / len(batches) for b in batches])
+        """
+        return self.run_layer_major([functools.partial(self._loss_step, fn) for fn in loss_fns])
+
+    def _loss_step(self, loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        loss = loss_fn()
+        self.backward(loss)
+        return loss.detach()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
+        """``loss.backward()``; inside a layer-major group, deferred to the group's one backward."""
+        coroutine = layer_major.current(self)
+        if coroutine is None:
+            loss.backward(retain_graph=retain_graph)
+        else:
+            coroutine.pause("backward", (loss, {"retain_graph": retain_graph}))
+
+    def _execute_group_call(self, coroutine, u: int, args: tuple, kwargs: dict) -> Any:
+        self._group.current = coroutine
+        try:
+            return self._unit_forward_now(u, args, kwargs)
+        finally:
+            self._group.current = None
+
+    def _group_backward(self, items: list[tuple[torch.Tensor, dict]]) -> None:
+        group = self._group
+        group.backward_open = True
+        try:
+            retain = any(kwargs.get("retain_graph") for _, kwargs in items)
+            torch.autograd.backward([loss for loss, _ in items], retain_graph=retain)
+        finally:
+            # later unit calls (a second forward in the same step) start a fresh token chain
+            group.backward_open = False
+            group.tokens, group.anchors, group.rounds = [], {}, {}
 
     def _check_side_inputs(self, unit: _Unit, rest: tuple, kwargs: dict) -> None:
         def tensors(values):

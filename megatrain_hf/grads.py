@@ -1,12 +1,17 @@
 """Gradient sink: a unit's device gradients into the fp32 host accumulators, off the critical path.
 
-On CUDA, ``submit`` copies the unit's gradients into one of a few pinned *slabs* on the grad
-stream (device -> host, overlapping the backward of the next unit) and hands the slab to a
-worker thread, which waits for the copy, adds it into the unit's fp32 ``grad_host`` (bf16 is
-converted on the fly) and, on the last micro-batch of an optimizer step, records the per-tensor
-gradient norms so that the global norm is known when backward ends. A small slab pool bounds the
-pinned memory and provides back-pressure. ``wait()`` is queued at the end of every backward pass,
-so when ``loss.backward()`` returns, every ``param.grad`` is complete, as in plain PyTorch.
+On CUDA, ``submit`` copies the unit's gradients (as fp32) to the host on the grad stream,
+overlapping the backward of the next unit: straight into the unit's pinned fp32 ``grad_host``
+when this is the step's first contribution, else into one of a few pinned *slabs* that a worker
+thread adds into ``grad_host``. The worker also points ``param.grad`` at the accumulators and, on
+the last micro-batch of an optimizer step, records the per-tensor gradient norms so that the
+global norm is known when backward ends. The slab pool bounds the pinned memory and provides
+back-pressure. ``wait()`` is queued at the end of every backward pass, so when
+``loss.backward()`` returns, every ``param.grad`` is complete, as in plain PyTorch.
+
+In a layer-major group (:mod:`megatrain_hf.layer_major`) the micro-batches' gradients of a unit
+are first summed on the device in fp32 and sent once, when the unit's last backward call of the
+group has run.
 
 On the CPU the same work runs inline.
 """
@@ -42,6 +47,14 @@ class GradSink:
         self.final_microbatch: Callable[[], bool] = lambda: True  # set by integrations (GA hint)
         self.norms: list[tuple | None] = [None] * len(store.entries)  # (grad key, per-tensor norms)
         self._foreign: dict[int, list] = {}  # owner unit -> tied-weight gradients waiting for it
+        self._pending_calls: list[int] | None = None  # layer-major group: backward calls still to come
+        self._held: dict[int, dict] = {}  # layer-major group: owner -> {offset: (entry, fp32 device sum)}
+        # units whose backward can add into an owner's gradients (itself; lm_head for a tied embedding)
+        self._contributors: list[set[int]] = [set() for _ in store.entries]
+        for u, unit_entries in enumerate(store.entries):
+            for e in unit_entries:
+                if e.kind == "trainable":
+                    self._contributors[e.owner].add(u)
         self._error: BaseException | None = None
         self._pending = 0
         self._cond = threading.Condition()
@@ -76,11 +89,60 @@ class GradSink:
             self._worker.join(timeout=60)
             self._worker = None
 
+    # ------------------------------------------------------------------ layer-major groups
+    def begin_group(self) -> None:
+        """A layer-major group starts: gradients are summed on the device, sent once per unit."""
+        self._pending_calls = [0] * len(self.store.entries)
+        self._held = {}
+
+    def count_call(self, u: int) -> None:
+        """The group's forward made one more call of unit ``u`` whose backward will submit."""
+        self._pending_calls[u] += 1
+
+    def end_group(self) -> None:
+        self.drop_held()
+        self._pending_calls = None
+
+    def drop_held(self) -> None:
+        """Forget device sums of a group whose backward failed (nothing of it reaches the host)."""
+        if self._held:
+            self._held = {}
+
+    def _hold(self, u: int, entries: list[Entry], grads: list[torch.Tensor | None]) -> None:
+        """Group mode: add unit ``u``'s gradients into fp32 device sums; send an owner's when complete.
+
+        The sums are per owner unit, so a tied weight's contributions from another unit (lm_head ->
+        embedding) join the owner's sum. An owner is sent when no call that contributes to it is
+        still to run its backward.
+        """
+        self._pending_calls[u] -= 1
+        owners = set()
+        for e, g in zip(entries, grads):
+            if g is None:
+                continue
+            owners.add(e.owner)
+            held = self._held.setdefault(e.owner, {})
+            if e.offset in held:
+                held[e.offset][1].add_(g)  # fp32 += bf16 converts on the fly, exactly
+            else:
+                held[e.offset] = (e, g.detach().to(torch.float32, copy=True))
+        for owner in sorted(owners):
+            if all(self._pending_calls[c] <= 0 for c in self._contributors[owner]):
+                self._send(owner, list(self._held.pop(owner).values()), want_norm=True)
+
+    def _flush_held(self) -> None:
+        """End of a group's backward: send sums whose calls did not all run backward."""
+        held, self._held = self._held, {}
+        for owner in sorted(held):
+            self._send(owner, list(held[owner].values()), want_norm=True)
+
     # ------------------------------------------------------------------ submit
     def submit(self, u: int, entries: list[Entry], grads: list[torch.Tensor | None]) -> None:
         """Accumulate unit ``u``'s weight gradients (aligned with ``entries``) into the host."""
         self.raise_error()
-        want_norm = self.final_microbatch()
+        if self._pending_calls is not None:
+            self._hold(u, entries, grads)
+            return
         local, foreign = [], []
         for e, g in zip(entries, grads):
             if g is not None:
@@ -93,17 +155,27 @@ class GradSink:
         pending = self._foreign.pop(u, [])
         if pending:
             local = self._merge_foreign(local, pending)
+        self._send(u, local, want_norm=self.final_microbatch())
+
+    def _send(self, u: int, local: list[tuple[Entry, torch.Tensor]], want_norm: bool) -> None:
+        """Unit ``u``'s gradients (owned by ``u``) into its host accumulators."""
         if self._worker is None:
             for e, g in local:
                 self.store.accumulate_grad(e, g)
             self.norms[u] = self._unit_norms(u) if want_norm else None
             return
-        slab = self._take_slab()
+        # First contribution of this step for every tensor: copy straight into the (pinned) host
+        # accumulators; otherwise into a slab, added on the host by the worker.
+        direct = all(e.tensor.grad is None for e, _ in local)
+        slab = None if direct else self._take_slab()
+        grad_host = self.store.buffers[u].grad_host
         n_lp = self.store.buffers[u].n_lp
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # grads are ready there
         with torch.cuda.stream(self.stream):
             for e, g in local:
-                if e.wire == torch.float32:
+                if direct:
+                    dst = grad_host[e.offset : e.offset + e.numel]
+                elif e.wire == torch.float32:
                     dst = slab.fp_host[e.offset - n_lp : e.offset - n_lp + e.numel]
                 else:
                     dst = slab.lp_host[e.offset : e.offset + e.numel]
@@ -161,7 +233,11 @@ class GradSink:
         try:
             done.synchronize()
             n_lp = self.store.buffers[u].n_lp
+            grad_host = self.store.buffers[u].grad_host
             for e, _ in local:
+                if slab is None:  # copied straight into the accumulator: point .grad at it
+                    e.tensor.grad = grad_host[e.offset : e.offset + e.numel].view(e.shape)
+                    continue
                 if e.wire == torch.float32:
                     src = slab.fp_host[e.offset - n_lp : e.offset - n_lp + e.numel]
                 else:
@@ -173,7 +249,8 @@ class GradSink:
             logger.exception("gradient accumulation of unit %d failed", u)
             self._error = exc
         finally:
-            self._free.put(slab)
+            if slab is not None:
+                self._free.put(slab)
             with self._cond:
                 self._pending -= 1
                 self._cond.notify_all()
@@ -181,6 +258,8 @@ class GradSink:
     # ------------------------------------------------------------------ results
     def wait(self) -> None:
         """Block until every submitted gradient is in the host accumulators."""
+        if self._held:
+            self._flush_held()
         if self._foreign:
             self.flush_foreign()
         with self._cond:

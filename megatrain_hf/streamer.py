@@ -39,6 +39,9 @@ class Streamer:
         self.cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
         self._inflight: dict[int, _Upload] = {}
+        # The unit fetched last stays on the device until another is fetched: the next micro-batch
+        # of a layer-major round, or the backward right after the head's forward, reuse it.
+        self._resident: tuple[int, _Upload] | None = None
         self._buffers_dev: dict[tuple[int, str], torch.Tensor] = {}
         for u, entries in enumerate(store.entries):
             for e in entries:
@@ -54,6 +57,7 @@ class Streamer:
         return tuple(self.store.generation[o] for o in self._owners[u])
 
     def _issue(self, u: int) -> _Upload:
+        self.stats.uploads += 1
         started = time.perf_counter()
         for owner in self._owners[u]:
             self.store.wait_ready(owner)  # no background update is writing these masters
@@ -80,9 +84,15 @@ class Streamer:
             self._inflight[u] = self._issue(u)
 
     def fetch(self, u: int) -> dict[str, torch.Tensor]:
-        upload = self._inflight.pop(u, None)
-        if upload is None or upload.generation != self._generation(u):
-            upload = self._issue(u)
+        resident = self._resident
+        if resident is not None and resident[0] == u and resident[1].generation == self._generation(u):
+            upload = resident[1]
+        else:
+            self._resident = None  # release it before the next upload lands
+            upload = self._inflight.pop(u, None)
+            if upload is None or upload.generation != self._generation(u):
+                upload = self._issue(u)
+            self._resident = (u, upload)
         self.stats.fetches += 1
         if upload.ready is not None:
             if not upload.ready.query():
@@ -102,5 +112,6 @@ class Streamer:
         return tensors
 
     def drop_prefetched(self) -> None:
-        """Forget uploads that were not consumed (an aborted pass)."""
+        """Forget uploads not consumed yet and the resident unit (end of a pass, an aborted pass)."""
         self._inflight.clear()
+        self._resident = None

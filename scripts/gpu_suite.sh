@@ -23,7 +23,7 @@ for stage in $STAGES; do
       python3 scripts/host_probe.py > "$R/probe.log" 2>&1
       summary "probe rc=$? $(cat "$R/probe.log" | tail -12)";;
     tests)
-      MEGATRAIN_GPU_REPORT=$R/gpu_parity.jsonl timeout 420 python3 -m pytest -m gpu tests/gpu -q -rs -x > "$R/gpu_tests.log" 2>&1
+      MEGATRAIN_GPU_REPORT=$R/gpu_parity.jsonl timeout 420 python3 -m pytest -m gpu tests/gpu -q -rs > "$R/gpu_tests.log" 2>&1
       summary "tests rc=$? $(tail -1 "$R/gpu_tests.log")";;
     train1b)
       for sys in ${TRAIN1B_SYSTEMS:-megatrain plain}; do

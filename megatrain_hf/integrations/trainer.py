@@ -69,6 +69,8 @@ class MegaTrainPlugin(TrainerCallback):
         self.engine: Engine | None = None
         self._last_log: tuple[float, int] | None = None
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm (HostAdamW)
+        self._step_group: _StepGroup | None = None  # the optimizer step's micro-batches (layer-major)
+        self._logged: set[str] = set()
 
     # ------------------------------------------------------------------ setup
     def check_args(self, args) -> None:
@@ -187,6 +189,31 @@ class MegaTrainPlugin(TrainerCallback):
                     f"it: {first}). Resume only from checkpoints you trust; nothing from the file was executed."
                 ) from exc
 
+        original_get_batch_samples = trainer.get_batch_samples
+        original_training_step = trainer.training_step
+
+        def get_batch_samples(self, epoch_iterator, num_batches, device):
+            # Trainer fetches an optimizer step's micro-batches up front: remember them (layer-major)
+            batches, num_items = original_get_batch_samples(epoch_iterator, num_batches, device)
+            plugin._step_group = _StepGroup(batches, num_items) if len(batches) > 1 else None
+            return batches, num_items
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            group = plugin._step_group
+            index = group.index(inputs) if group is not None else None
+            if index is None:
+                return original_training_step(model, inputs, num_items_in_batch)
+            if group.results is None:
+                if not plugin._layer_major_applies(self):
+                    plugin._step_group = None
+                    return original_training_step(model, inputs, num_items_in_batch)
+                group.results = plugin._run_layer_major(self, model, group, original_training_step)
+            if index == len(group.batches) - 1:
+                plugin._step_group = None  # drop the references to the step's batches
+            return group.results[index]
+
+        trainer.get_batch_samples = types.MethodType(get_batch_samples, trainer)
+        trainer.training_step = types.MethodType(training_step, trainer)
         trainer.create_optimizer = types.MethodType(create_optimizer, trainer)
         trainer.log = types.MethodType(log, trainer)
         trainer._clip_grad_norm = types.MethodType(_clip_grad_norm, trainer)
@@ -197,6 +224,84 @@ class MegaTrainPlugin(TrainerCallback):
         trainer._load_optimizer_and_scheduler = types.MethodType(_load_optimizer_and_scheduler, trainer)
         gradient_state = trainer.accelerator.gradient_state
         self.engine.grads.final_microbatch = lambda: bool(gradient_state.sync_gradients)
+
+    # ------------------------------------------------------------------ layer-major accumulation
+    def _layer_major_applies(self, trainer) -> bool:
+        """Whether this step's micro-batches run layer-major (logged once per reason)."""
+        mode = self.config.layer_major
+        if mode is False:
+            return False
+        from accelerate.utils import DistributedType
+
+        accelerator = trainer.accelerator
+        blockers = []
+        if accelerator.distributed_type != DistributedType.NO:
+            blockers.append(f"accelerator distributed_type={accelerator.distributed_type}")
+        if accelerator.scaler is not None:
+            blockers.append("a gradient scaler is active")
+        if "lomo" in str(getattr(trainer.args.optim, "value", trainer.args.optim)).lower():
+            blockers.append(f"optim={trainer.args.optim} needs the learning rate inside backward")
+        if mode == "auto":
+            dropout = self.engine.active_dropout()
+            if dropout:
+                blockers.append(
+                    f"the model has active dropout ({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}), "
+                    "whose random masks would be drawn in another order than plain Trainer's; "
+                    "MegaTrainConfig(layer_major=True) accepts that"
+                )
+        if blockers:
+            self._log_once(
+                logging.WARNING if mode is True else logging.INFO,
+                "megatrain: gradient accumulation runs micro-batch by micro-batch (not layer-major): "
+                + "; ".join(blockers),
+            )
+            return False
+        self._log_once(
+            logging.INFO,
+            "megatrain: layer-major gradient accumulation (each layer computes all micro-batches of a step, "
+            "uploaded once per direction, gradients summed on the device)",
+        )
+        return True
+
+    def _log_once(self, level: int, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            logger.log(level, message)
+
+    def _run_layer_major(self, trainer, model, group: "_StepGroup", training_step) -> list:
+        """Trainer's own ``training_step`` for every micro-batch of the step, interleaved per layer.
+
+        ``accelerator.backward`` is routed to the engine for the duration: inside a micro-batch it
+        scales the loss as Accelerate does and defers it to the step's one backward pass.
+        """
+        from ..layer_major import current
+
+        engine = self.engine
+        accelerator = trainer.accelerator
+        original_backward = accelerator.backward
+
+        def backward(loss, **kwargs):
+            if current(engine) is None:
+                return original_backward(loss, **kwargs)
+            unknown = sorted(set(kwargs) - {"retain_graph"})
+            if unknown:
+                raise ValueError(
+                    f"megatrain layer-major accumulation got accelerator.backward(loss, {', '.join(unknown)}=...), "
+                    "which it cannot defer. Set MegaTrainConfig(layer_major=False)."
+                )
+            engine.backward(loss / accelerator.gradient_accumulation_steps, **kwargs)
+
+        missing = object()
+        previous = accelerator.__dict__.get("backward", missing)
+        accelerator.__dict__["backward"] = backward
+        try:
+            steps = [functools.partial(training_step, model, batch, group.num_items) for batch in group.batches]
+            return engine.run_layer_major(steps)
+        finally:
+            if previous is missing:
+                accelerator.__dict__.pop("backward", None)
+            else:
+                accelerator.__dict__["backward"] = previous
 
     def _skip_if_not_finite(self, trainer, optimizer: HostAdamW, norm: torch.Tensor) -> bool:
         """inf/nan gradient norm: the optimizer skips this step (weights and AdamW state unchanged)."""
@@ -251,6 +356,7 @@ class MegaTrainPlugin(TrainerCallback):
 
     # ------------------------------------------------------------------ callback events
     def on_train_end(self, args, state, control, **kwargs):
+        self._step_group = None
         if self.engine is not None:
             self.engine.synchronize()  # the last update may still run in the background
 
@@ -271,6 +377,18 @@ class MegaTrainPlugin(TrainerCallback):
                 str(engine.compute_dtype).replace("torch.", ""),
                 engine.device,
             )
+
+
+class _StepGroup:
+    """The micro-batches of one optimizer step, as ``get_batch_samples`` returned them."""
+
+    def __init__(self, batches: list, num_items) -> None:
+        self.batches = batches
+        self.num_items = num_items
+        self.results: list | None = None
+
+    def index(self, inputs) -> int | None:
+        return next((i for i, batch in enumerate(self.batches) if batch is inputs), None)
 
 
 def _host_adamw(trainer) -> HostAdamW | None:

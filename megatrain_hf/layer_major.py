@@ -1,0 +1,197 @@
+"""Layer-major gradient accumulation: every micro-batch of a step through a layer before the next.
+
+A training loop runs forward + backward once per micro-batch, so with K micro-batches each
+layer's weights would cross the link 2K times per optimizer step and its gradients K times
+(102 GB per 64K-token step at 3.14B). Here the K *micro-batch steps* -- plain callables, e.g.
+Trainer's own ``training_step`` -- run as coroutines on helper threads, strictly one at a time
+and always in the same order (so anything they draw from the RNG is drawn in a fixed order):
+
+* each coroutine runs its Python code (HF's model forward, the loss, Trainer's scaling) until it
+  calls a streamed unit; the call is handed to the *driver* (the thread that called
+  :func:`run`), which executes it. The r-th unit call of every micro-batch is the same unit, so
+  the driver executes one *round* -- unit u for all K micro-batches -- back to back, with the
+  weights uploaded once;
+* a coroutine that reaches its backward (:meth:`Engine.backward`) waits; when all have, the
+  driver runs one ``torch.autograd.backward`` over the K losses. Round tokens (see
+  ``Engine._unit_forward_now``) make autograd finish unit u for every micro-batch before unit
+  u-1, so the engine fetches each unit once more, sums its gradients on the device and
+  downloads them once (``GradSink``);
+* then the coroutines return (Trainer's ``loss.detach()``), and :func:`run` returns their results.
+
+Nothing here knows about Trainer; the Trainer integration supplies the callables and routes
+``accelerator.backward`` to :meth:`Engine.backward`. An exception in a coroutine, or in the
+driver (Ctrl-C included), aborts the others and is raised in the caller; no thread is left
+waiting.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+_local = threading.local()
+
+
+class _Abort(BaseException):
+    """Unwinds a coroutine the driver gave up on (never escapes this module)."""
+
+
+@dataclass
+class _ThreadState:
+    """The torch thread-local state a coroutine or a driver-side call must run under."""
+
+    grad_enabled: bool
+    autocast: tuple[bool, torch.dtype, bool]  # (enabled, dtype, cache_enabled) on the device type
+
+    @classmethod
+    def capture(cls, device_type: str) -> "_ThreadState":
+        return cls(
+            torch.is_grad_enabled(),
+            (
+                torch.is_autocast_enabled(device_type),
+                torch.get_autocast_dtype(device_type),
+                torch.is_autocast_cache_enabled(),
+            ),
+        )
+
+    def enter(self, device_type: str):
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+        enabled, dtype, cache = self.autocast
+        if enabled:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache))
+        return stack
+
+
+class Coroutine:
+    """One micro-batch step running on its own thread, resumed and paused by the driver."""
+
+    def __init__(self, index: int, fn: Callable[[], Any], owner: object, device: torch.device) -> None:
+        self.index = index
+        self.owner = owner  # the engine whose unit calls this coroutine hands over
+        self.message: tuple[str, Any] = ("new", None)
+        self._fn = fn
+        self._device = device
+        self._state = _ThreadState.capture(device.type)
+        self._to_thread: queue.SimpleQueue = queue.SimpleQueue()
+        self._to_driver: queue.SimpleQueue = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._main, name=f"megatrain-microbatch-{index}", daemon=True)
+
+    # ------------------------------------------------------------------ coroutine side
+    def _main(self) -> None:
+        _local.coroutine = self
+        try:
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)
+            self._wait()
+            with self._state.enter(self._device.type):
+                result = self._fn()
+            self._to_driver.put(("done", result))
+        except _Abort:
+            self._to_driver.put(("aborted", None))
+        except BaseException as exc:  # handed to the driver, which raises it in the caller
+            self._to_driver.put(("error", exc))
+        finally:
+            _local.coroutine = None
+
+    def _wait(self) -> Any:
+        kind, value = self._to_thread.get()
+        if kind == "abort":
+            raise _Abort
+        if kind == "raise":
+            raise value
+        return value
+
+    def pause(self, kind: str, payload: Any) -> Any:
+        """From the coroutine: hand ``payload`` to the driver and wait until it resumes us."""
+        self._to_driver.put((kind, payload))
+        return self._wait()
+
+    def call(self, u: int, args: tuple, kwargs: dict) -> Any:
+        """A streamed unit call, executed by the driver under this thread's grad/autocast state."""
+        return self.pause("call", (u, args, kwargs, _ThreadState.capture(self._device.type)))
+
+    # ------------------------------------------------------------------ driver side
+    def start(self) -> None:
+        self.thread.start()
+        self.resume("value", None)
+
+    def resume(self, kind: str, value: Any) -> None:
+        """From the driver: continue the coroutine until it pauses again (``self.message``)."""
+        self._to_thread.put((kind, value))
+        while True:
+            try:
+                self.message = self._to_driver.get(timeout=1.0)
+                return
+            except queue.Empty:
+                if not self.thread.is_alive():  # cannot happen short of interpreter teardown
+                    raise RuntimeError(f"megatrain: micro-batch thread {self.thread.name} ended without a result")
+
+    def abort(self) -> None:
+        if self.thread.is_alive() and self.message[0] in ("call", "backward", "new"):
+            self.resume("abort", None)
+        self.thread.join(timeout=10)
+
+
+def current(owner: object) -> Coroutine | None:
+    """The coroutine running on this thread, if it belongs to ``owner``."""
+    coroutine = getattr(_local, "coroutine", None)
+    return coroutine if coroutine is not None and coroutine.owner is owner else None
+
+
+def run(
+    owner: object,
+    device: torch.device,
+    fns: list[Callable[[], Any]],
+    execute: Callable[[Coroutine, int, tuple, dict], Any],
+    backward: Callable[[list[tuple[torch.Tensor, dict]]], None],
+) -> list[Any]:
+    """Run ``fns`` as interleaved coroutines; return their results in order.
+
+    ``execute(coroutine, u, args, kwargs)`` runs a unit call on the driver; ``backward(items)``
+    runs one backward over the ``(loss, kwargs)`` of every coroutine waiting in backward.
+    """
+    coroutines = [Coroutine(k, fn, owner, device) for k, fn in enumerate(fns)]
+    try:
+        for c in coroutines:
+            c.start()
+        while True:
+            for c in coroutines:
+                if c.message[0] == "error":
+                    raise c.message[1]
+            calls = [c for c in coroutines if c.message[0] == "call"]
+            waiting = [c for c in coroutines if c.message[0] == "backward"]
+            if calls:  # one round: run every pending unit call, then let each coroutine go on
+                # Executed last micro-batch first: autograd runs ready nodes newest first, so the
+                # round's backward then runs micro-batch 0 first and the device sums add the
+                # gradients in the order plain accumulation adds them.
+                outcomes = {}
+                for c in reversed(calls):
+                    u, args, kwargs, state = c.message[1]
+                    try:
+                        with state.enter(device.type):
+                            outcomes[c.index] = ("value", execute(c, u, args, kwargs))
+                    except Exception as exc:  # raised inside the coroutine, at its unit call
+                        outcomes[c.index] = ("raise", exc)
+                for c in calls:
+                    c.resume(*outcomes[c.index])
+            elif waiting:  # every live coroutine is in backward: one pass over all their losses
+                try:
+                    backward([c.message[1] for c in waiting])
+                except Exception as exc:
+                    for c in waiting:
+                        c.resume("raise", exc)
+                    continue
+                for c in waiting:
+                    c.resume("value", None)
+            else:
+                return [c.message[1] for c in coroutines]
+    finally:
+        for c in coroutines:
+            c.abort()
