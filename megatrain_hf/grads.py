@@ -166,10 +166,16 @@ class GradSink:
             return
         # First contribution of this step for every tensor: copy straight into the (pinned) host
         # accumulators; otherwise into a slab, added on the host by the worker.
-        direct = all(e.tensor.grad is None for e, _ in local)
+        direct = all(e.tensor.grad is None for e in self.store.entries[u] if e.owner == u and e.kind == "trainable")
         slab = None if direct else self._take_slab()
         grad_host = self.store.buffers[u].grad_host
         n_lp = self.store.buffers[u].n_lp
+        norms_host = None
+        if direct and want_norm and local:
+            # These are the step's whole gradients: their norms (fp32, as of the fp32 .grad that
+            # plain training clips) come from the GPU, and the host never reads them again.
+            norms = torch.stack(torch._foreach_norm([g for _, g in local], 2, dtype=torch.float32))
+            norms_host = torch.empty(norms.shape, dtype=torch.float32, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # grads are ready there
         with torch.cuda.stream(self.stream):
             for e, g in local:
@@ -181,12 +187,14 @@ class GradSink:
                     dst = slab.lp_host[e.offset : e.offset + e.numel]
                 dst.copy_(g.reshape(-1).float(), non_blocking=True)
                 self.stats.d2h_bytes += e.numel * 4
+            if norms_host is not None:
+                norms_host.copy_(norms, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         with self._cond:
             self._pending += 1
         self.norms[u] = None
-        self._jobs.put((u, slab, done, local, want_norm))
+        self._jobs.put((u, slab, done, local, norms_host if norms_host is not None else want_norm))
 
     @staticmethod
     def _merge_foreign(local: list, pending: list) -> list:
@@ -243,7 +251,9 @@ class GradSink:
                 else:
                     src = slab.lp_host[e.offset : e.offset + e.numel]
                 self.store.accumulate_grad(e, src)
-            if want_norm:
+            if isinstance(want_norm, torch.Tensor):  # computed on the GPU, in local's order
+                self.norms[u] = (self._grad_key(u), list(want_norm.unbind()))
+            elif want_norm:
                 self.norms[u] = self._unit_norms(u)
         except BaseException as exc:  # surfaced in the training thread by raise_error()
             logger.exception("gradient accumulation of unit %d failed", u)

@@ -22,6 +22,7 @@ Placement suffixes: ``_host`` lives in host RAM, ``_dev`` on the compute device.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _ALIGN_ELEMS = 16  # 64-byte alignment of every parameter inside a flat buffer (fp32)
 
 
@@ -176,20 +178,29 @@ class HostStore:
             self._sizes.append(sizes)
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host flat, pinned when the store pins."""
-        # Ordinary (malloc) memory, registered below if pinning: no power-of-two rounding.
-        flat = torch.empty(numel, dtype=dtype)
-        if self.pin and numel:
-            nbytes = flat.numel() * flat.element_size()
-            err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister refused to pin {nbytes / 2**30:.2f} GiB (error {int(err)}). "
-                    "The OS limits page-locked memory (ulimit -l) or RAM is short. Fix: raise the "
-                    "memlock limit, free host RAM, or set MegaTrainConfig(pin_memory=False) "
-                    "(correct but transfers run several times slower)."
-                )
-            self._registered.append(flat)
+        """A host flat, pinned when the store pins.
+
+        Pinned flats are ordinary (malloc) memory registered with ``cudaHostRegister`` (no
+        power-of-two rounding, unlike torch's pinned allocator) over whole pages of their own: a
+        small flat sharing a page with another registered one makes the driver refuse the second
+        registration (``cudaErrorHostMemoryAlreadyRegistered``). At most two pages are added.
+        """
+        if not (self.pin and numel):
+            return torch.empty(numel, dtype=dtype)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        span = -(-nbytes // _PAGE) * _PAGE
+        raw = torch.empty(span + _PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % _PAGE
+        flat = raw[start : start + nbytes].view(dtype)  # shares raw's storage: raw stays alive
+        err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), span, 0)
+        if int(err) != 0:
+            raise RuntimeError(
+                f"cudaHostRegister refused to pin {span / 2**30:.3f} GiB (error {int(err)}). "
+                "The OS limits page-locked memory (ulimit -l) or RAM is short. Fix: raise the "
+                "memlock limit, free host RAM, or set MegaTrainConfig(pin_memory=False) "
+                "(correct but transfers run several times slower)."
+            )
+        self._registered.append(flat)
         return flat
 
     def _allocate(self) -> None:

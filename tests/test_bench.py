@@ -158,3 +158,9 @@ def test_cli_rejects_unknown_system_and_mismatched_merge(tmp_path):
     kept = {"workload": {"seq_len": 2}, "results": {"deepspeed": {"status": "ok"}, "plain": {"status": "ok"}}}
     (tmp_path / "results.json").write_text(json.dumps(kept))
     assert list(merged_results(tmp_path, {"seq_len": 2}, ["plain"])) == ["deepspeed"]
+    # a record written before the shape had more fields still merges; a changed field does not
+    kept["workload"] = {"seq_len": 2, "shape": {"hidden": 8}}
+    (tmp_path / "results.json").write_text(json.dumps(kept))
+    assert list(merged_results(tmp_path, {"seq_len": 2, "shape": {"hidden": 8, "tied": False}}, ["plain"])) == ["deepspeed"]
+    with pytest.raises(ValueError, match="different workload"):
+        merged_results(tmp_path, {"seq_len": 2, "shape": {"hidden": 16, "tied": False}}, ["plain"])

@@ -84,3 +84,29 @@ def test_load_state_dict_restages_bf16_copy():
     assert after != before
     assert abs(after - expected) < 1e-3, (after, expected)
     engine.detach()
+
+
+def test_pinned_flats_register_whole_pages_of_their_own(monkeypatch):
+    """cudaHostRegister refuses a range that shares a page with one already registered (error 712,
+    seen on the H200 with a tiny model's 1 KiB norm flats): each pinned flat gets pages of its own."""
+    from megatrain_hf.store import _PAGE, HostStore
+
+    registered: list[tuple[int, int]] = []
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            for start, span in registered:
+                if ptr < start + span and start < ptr + size:
+                    return 712  # cudaErrorHostMemoryAlreadyRegistered
+            registered.append((ptr, size))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    store = HostStore.__new__(HostStore)
+    store.pin, store._registered = True, []
+    flats = [store.allocate(n, dtype) for n in (1, 7, 256, 3000, 100_000) for dtype in (torch.float32, torch.bfloat16)]
+    assert len(registered) == len(flats)
+    for flat, (ptr, size) in zip(flats, registered):
+        assert ptr == flat.data_ptr() and ptr % _PAGE == 0 and size % _PAGE == 0
+        assert size >= flat.numel() * flat.element_size()
+        flat.fill_(1)  # the whole flat is writable memory

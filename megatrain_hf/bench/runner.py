@@ -149,13 +149,26 @@ def run_system(system: str, args: argparse.Namespace, shape: ModelShape, out: Pa
     return result
 
 
+def _same_workload(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Equal on every field both records have (later versions describe the shape in more fields)."""
+    if set(old) - set(new):
+        return False
+    for key, value in old.items():
+        if isinstance(value, dict) and isinstance(new[key], dict):
+            if any(new[key].get(k) != v for k, v in value.items()):
+                return False
+        elif new[key] != value:
+            return False
+    return True
+
+
 def merged_results(out: Path, this_workload: dict[str, Any], systems: list[str]) -> dict[str, Any]:
     """Results of systems not run now, from OUT/results.json of the same workload (``--merge``)."""
     path = out / "results.json"
     if not path.exists():
         return {}
     previous = json.loads(path.read_text())
-    if previous.get("workload") != this_workload:
+    if not _same_workload(previous.get("workload") or {}, this_workload):
         raise ValueError(
             f"--merge: {path} holds a different workload ({previous.get('workload')}) than this run "
             f"({this_workload}); use another --out or drop --merge."
