@@ -194,7 +194,9 @@ class GradSink:
         with self._cond:
             self._pending += 1
         self.norms[u] = None
-        self._jobs.put((u, slab, done, local, norms_host if norms_host is not None else want_norm))
+        # local (and norms) stay referenced until the worker saw the copies end: the caching
+        # allocator must not hand their memory to the compute stream while the grad stream reads it
+        self._jobs.put((u, slab, done, local, (norms_host, norms) if norms_host is not None else want_norm))
 
     @staticmethod
     def _merge_foreign(local: list, pending: list) -> list:
@@ -251,8 +253,8 @@ class GradSink:
                 else:
                     src = slab.lp_host[e.offset : e.offset + e.numel]
                 self.store.accumulate_grad(e, src)
-            if isinstance(want_norm, torch.Tensor):  # computed on the GPU, in local's order
-                self.norms[u] = (self._grad_key(u), list(want_norm.unbind()))
+            if isinstance(want_norm, tuple):  # computed on the GPU, in local's order
+                self.norms[u] = (self._grad_key(u), list(want_norm[0].unbind()))
             elif want_norm:
                 self.norms[u] = self._unit_norms(u)
         except BaseException as exc:  # surfaced in the training thread by raise_error()

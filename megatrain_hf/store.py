@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,12 @@ _ALIGN_ELEMS = 16  # 64-byte alignment of every parameter inside a flat buffer (
 
 def _aligned(n: int) -> int:
     return (n + _ALIGN_ELEMS - 1) // _ALIGN_ELEMS * _ALIGN_ELEMS
+
+
+def _unregister(flats: list[torch.Tensor]) -> None:
+    """cudaHostUnregister every flat of the list (and empty it)."""
+    while flats:
+        torch.cuda.cudart().cudaHostUnregister(flats.pop().data_ptr())
 
 
 def alias(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
@@ -122,6 +129,9 @@ class HostStore:
         self.entries: list[list[Entry]] = []
         self.buffers: list[UnitBuffers] = []
         self._registered: list[torch.Tensor] = []
+        # Unpinned when the store goes away even without release(): the finalizer holds the flats,
+        # so their memory cannot return to malloc (and be registered again) while still pinned.
+        self._unpin = weakref.finalize(self, _unregister, self._registered)
         self._param_home: dict[int, tuple[int, Entry]] = {}
         self._plan(units, embedding_units)
         self._allocate()
@@ -361,6 +371,4 @@ class HostStore:
     # ------------------------------------------------------------------ teardown
     def release(self) -> None:
         """Unpin the buffers. The parameters keep aliasing them (they stay valid host memory)."""
-        for flat in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
-        self._registered.clear()
+        _unregister(self._registered)

@@ -110,3 +110,29 @@ def test_pinned_flats_register_whole_pages_of_their_own(monkeypatch):
         assert ptr == flat.data_ptr() and ptr % _PAGE == 0 and size % _PAGE == 0
         assert size >= flat.numel() * flat.element_size()
         flat.fill_(1)  # the whole flat is writable memory
+
+
+def test_store_unpins_its_flats_when_collected(monkeypatch):
+    """A store dropped without release() (a model never detached) must unregister its memory before
+    malloc can hand it out again; the next registration of those pages would fail (error 712)."""
+    from megatrain_hf.store import HostStore
+
+    live: dict[int, int] = {}
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            live[ptr] = size
+            return 0
+
+        def cudaHostUnregister(self, ptr):
+            del live[ptr]
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    model = tiny_model("llama")
+    store = HostStore(list(model.named_children())[:1], compute_dtype=torch.bfloat16,
+                      device=torch.device("cpu"), pin=True)
+    assert live
+    del store
+    gc.collect()
+    assert not live
