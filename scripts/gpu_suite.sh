@@ -9,7 +9,7 @@ mkdir -p "$R" "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 STAGES=${STAGES:-"tests train1b"}
 summary() { echo "$*" | tee -a "$R/summary.txt"; }
-summary "commit $(git rev-parse --short HEAD 2>/dev/null) $(date -u +%FT%TZ) stages: $STAGES"
+summary "commit ${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ) stages: $STAGES"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$R/summary.txt" 2>&1
 python3 -c "import torch,transformers,accelerate,peft,sys;print(sys.version.split()[0],torch.__version__,transformers.__version__,accelerate.__version__,peft.__version__)" >> "$R/summary.txt" 2>&1
 nproc >> "$R/summary.txt"; free -g | head -2 >> "$R/summary.txt"

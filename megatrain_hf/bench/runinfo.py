@@ -53,7 +53,11 @@ def _run(cmd: list[str], cwd: str | None = None) -> str | None:
 
 
 def git_info() -> dict[str, Any]:
+    """The checkout's commit; ``MEGATRAIN_COMMIT`` wins (a copied tree whose .git is not the source's)."""
     repo = str(Path(__file__).resolve().parents[2])
+    declared = os.environ.get("MEGATRAIN_COMMIT")
+    if declared:
+        return {"commit": declared, "dirty": None, "note": "from MEGATRAIN_COMMIT"}
     commit = _run(["git", "rev-parse", "HEAD"], cwd=repo)
     status = _run(["git", "status", "--porcelain"], cwd=repo)
     return {"commit": commit, "dirty": bool(status) if status is not None else None,
