@@ -41,6 +41,7 @@ class HostAdamW(torch.optim.Optimizer):
         asynchronous: bool = True,
         exact_clipping: bool = True,
         host_threads: int | None = None,
+        kernel: str = "torch",
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -52,6 +53,14 @@ class HostAdamW(torch.optim.Optimizer):
         self.asynchronous = asynchronous
         host_threads = host_threads or torch.get_num_threads()
         self.exact_clipping = exact_clipping
+        if kernel not in ("torch", "native"):
+            raise ValueError(f"HostAdamW kernel={kernel!r}; allowed: 'torch' or 'native'")
+        self._native = None
+        if kernel == "native":
+            from . import native
+
+            self._native = native.host_adamw()  # None (warned) if it cannot be built here
+        self.kernel = "native" if self._native is not None else "torch"
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(params, defaults)
         self._build_state()
@@ -143,7 +152,7 @@ class HostAdamW(torch.optim.Optimizer):
         """
         if coef is None or float(coef) >= 1.0:
             self._grad_scale = None
-        elif self.exact_clipping:
+        elif self.exact_clipping or self._native is not None:  # native: the multiply is free
             self._grad_scale = ("mul", coef.detach().to(torch.float32).cpu())
         else:
             self._grad_scale = ("div", torch.reciprocal(coef.detach().to(torch.float32).cpu()))
@@ -202,11 +211,12 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _snapshot(self, u: int, gi: int, entries: list[Entry], grad_scale) -> tuple | None:
         group = self.param_groups[gi]
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        params, grads, exp_avgs, exp_avg_sqs, steps, updated = [], [], [], [], [], []
         for e in entries:
             p = e.tensor
             if p.grad is None:
                 continue
+            updated.append(e)
             state = self.state[p]
             steps.append(state["step"])
             params.append(p)
@@ -225,13 +235,16 @@ class HostAdamW(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=group["maximize"],
         )
-        return steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale
+        return steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, updated
 
     def _run_job(self, job) -> None:
         u, work = job
         error = None
         try:
-            for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale in work:
+            if self._native is not None:
+                self._run_native(u, work)
+                return
+            for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, _ in work:
                 torch._foreach_add_(steps, 1)
                 divide_by = None
                 if grad_scale is not None:
@@ -251,6 +264,42 @@ class HostAdamW(torch.optim.Optimizer):
             error = exc
         finally:
             self.store.end_update(u, error)
+
+    def _run_native(self, u: int, work: list) -> None:
+        """The update with the native kernel: clip multiply, AdamW and the staging copy in one pass."""
+        import math
+
+        from . import native
+
+        staging_was_fresh = self.store.staging_fresh(u)
+        staging = self.store.buffers[u].staging_host
+        for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, entries in work:
+            torch._foreach_add_(steps, 1)
+            lr = float(hyper["lr"])
+            beta1, beta2, wd, eps = hyper["beta1"], hyper["beta2"], hyper["weight_decay"], hyper["eps"]
+            scalars: dict[str, list[float]] = {k: [] for k in ("decay", "lerp", "beta2", "sq_coef", "bc2_sqrt", "eps",
+                                                                "neg_step_size")}
+            for step in steps:
+                n = float(step)
+                scalars["decay"].append(1 - lr * wd if wd != 0 else 1.0)
+                scalars["lerp"].append(1 - beta1)
+                scalars["beta2"].append(beta2)
+                scalars["sq_coef"].append(1 - beta2)
+                scalars["bc2_sqrt"].append(math.sqrt(1 - beta2**n))
+                scalars["eps"].append(eps)
+                scalars["neg_step_size"].append(-(lr / (1 - beta1**n)))
+            stages = [
+                staging[e.offset : e.offset + e.numel] if staging is not None and e.wire != torch.float32 else None
+                for e in entries
+            ]
+            clip = float(grad_scale[1]) if grad_scale is not None else 1.0
+            native.adamw(self._native, params, grads, exp_avgs, exp_avg_sqs, stages, scalars, clip,
+                         bool(hyper["maximize"]), torch.get_num_threads())
+        self.store.mark_dirty(u)
+        if staging_was_fresh:
+            self.store.staging_written(u)  # the kernel wrote the copy of every tensor it changed
+        else:
+            self.store.stage(u)
 
     def _serve_one(self, job) -> None:
         try:

@@ -334,6 +334,17 @@ class HostStore:
             bufs.staging_dirty = False
             bufs.staged_versions = versions
 
+    def staging_fresh(self, u: int) -> bool:
+        """Whether unit ``u``'s compute-dtype copy matches its masters (False if it has none)."""
+        bufs = self.buffers[u]
+        return bufs.staging_host is not None and not bufs.staging_dirty and self._versions(u) == bufs.staged_versions
+
+    def staging_written(self, u: int) -> None:
+        """An update wrote the compute-dtype copy of every master it changed: the copy is fresh."""
+        bufs = self.buffers[u]
+        bufs.staging_dirty = False
+        bufs.staged_versions = self._versions(u)
+
     def source(self, u: int, key: tuple) -> tuple[torch.Tensor, int]:
         """(host flat, element offset of its first element in the entries' numbering) for ``key``."""
         bufs = self.buffers[u]

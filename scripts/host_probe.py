@@ -42,3 +42,32 @@ for threads in (torch.get_num_threads(), len(os.sched_getaffinity(0))):
     print(f"threads={threads}: fp32->bf16 copy {rate(lambda: bf.copy_(flat)):.2f} Gelem/s")
     acc = torch.zeros(n)
     print(f"threads={threads}: fp32 += bf16 {rate(lambda: acc.add_(bf)):.2f} Gelem/s")
+
+# The engine's update per unit: clip multiply + fused AdamW + bf16 staging copy (torch, 3 passes)
+# against megatrain's native kernel (1 pass), on the same tensors.
+import math  # noqa: E402
+
+from megatrain_hf import native  # noqa: E402
+
+lib = native.host_adamw()
+stages = [torch.empty(n // 8, dtype=torch.bfloat16) for _ in range(8)]
+coef = torch.tensor(0.5)
+torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+
+def torch_three_pass():
+    torch._foreach_mul_(gs, coef)
+    adam()
+    for s, p in zip(stages, ps):
+        s.copy_(p)
+
+
+def native_one_pass():
+    sc = dict(decay=[1.0] * 8, lerp=[0.1] * 8, beta2=[0.999] * 8, sq_coef=[0.001] * 8,
+              bc2_sqrt=[math.sqrt(0.001)] * 8, eps=[1e-8] * 8, neg_step_size=[-1e-2] * 8)
+    native.adamw(lib, ps, gs, ms, vs, stages, sc, 0.5, False, torch.get_num_threads())
+
+
+print(f"threads={torch.get_num_threads()}: clip+AdamW+staging, torch 3 passes {rate(torch_three_pass):.2f} Gparam/s")
+if lib is not None:
+    print(f"threads={torch.get_num_threads()}: clip+AdamW+staging, native 1 pass {rate(native_one_pass):.2f} Gparam/s")

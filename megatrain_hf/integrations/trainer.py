@@ -127,6 +127,7 @@ class MegaTrainPlugin(TrainerCallback):
                     plugin.engine.store,
                     exact_clipping=plugin.config.exact_clipping,
                     host_threads=plugin.engine.host_threads,
+                    kernel=plugin.config.resolve_host_adamw_kernel(plugin.engine.device),
                 )
                 logger.info("megatrain: AdamW runs as HostAdamW on the host flats (same math)")
             return self.optimizer
