@@ -559,7 +559,7 @@ def plan_memory(
     micro_batch: int,
     grad_accum: int = 1,
     compute_dtype: str = "bf16",
-    layer_major: bool = False,
+    layer_major: bool = True,
     lora_rank: int | None = None,
     lora_targets: Iterable[str] = LORA_TARGETS,
 ) -> MemoryPlan:
@@ -635,7 +635,8 @@ def plan_memory(
         gpu_checkpoints=(shape.layers + 2) * in_flight * tokens * h * 4,
         gpu_layer_working_set=tokens * per_token,
         gpu_weight_grads=max(grads(u) for u in distinct),
-        gpu_logits=tokens * shape.vocab * (cbytes + 12),
+        # layer-major: every micro-batch's logits and log-probs wait for the step's one backward
+        gpu_logits=in_flight * tokens * shape.vocab * (cbytes + 12),
         gpu_runtime=GPU_RUNTIME_ALLOWANCE_BYTES,
     )
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,
@@ -871,8 +872,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype (default bf16)")
-    parser.add_argument("--layer-major", action="store_true",
-                        help="all grad-accum micro-batches in flight (layer-major schedule)")
+    parser.add_argument("--layer-major", action=argparse.BooleanOptionalAction, default=True,
+                        help="all grad-accum micro-batches in flight (layer-major schedule, Trainer's default "
+                             "unless the model has dropout; --no-layer-major: one at a time)")
     parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
     parser.add_argument("--host-gib", type=float, default=None,
                         help="plan against this much RAM instead of this machine's available RAM")

@@ -188,9 +188,10 @@ def test_gpu_memory_grows_with_depth_only_through_checkpoints():
 
 def test_gpu_items_follow_batch_and_schedule():
     shape = PRESETS["llama-7b"]
-    one = plan_memory(shape, seq_len=4096, micro_batch=1, grad_accum=4)
-    layer_major = plan_memory(shape, seq_len=4096, micro_batch=1, grad_accum=4, layer_major=True)
+    one = plan_memory(shape, seq_len=4096, micro_batch=1, grad_accum=4, layer_major=False)
+    layer_major = plan_memory(shape, seq_len=4096, micro_batch=1, grad_accum=4)  # the default
     assert layer_major.gpu_checkpoints == 4 * one.gpu_checkpoints
+    assert layer_major.gpu_logits == 4 * one.gpu_logits
     assert layer_major.host_total == one.host_total  # grad accumulators are fp32 whatever the GA
     # the embedding (fp32 on the wire, 0.49 GiB) is the largest unit of llama-7b: 2 slots of it
     assert one.gpu_weight_slots == 2 * 32000 * 4096 * 4
