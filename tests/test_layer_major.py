@@ -178,15 +178,21 @@ class _FailingTrainer(Trainer):
         return super().compute_loss(model, inputs, *args, **kwargs)
 
 
+def _trainer(cls, tmp_path, grad_accum: int, **plugin):
+    """A ``cls`` Trainer with the plugin on a tiny dropout-free Llama; returns (trainer, model)."""
+    model = tiny_model("llama", attention_dropout=0.0)
+    trainer = cls(
+        model=model,
+        args=training_args(tmp_path, gradient_accumulation_steps=grad_accum),
+        train_dataset=RandomTokens(),
+        callbacks=[MegaTrainPlugin(**plugin)],
+    )
+    return trainer, model
+
+
 @pytest.mark.parametrize("error", [ValueError("bad micro-batch"), KeyboardInterrupt()])
 def test_error_in_a_micro_batch_is_raised_and_nothing_hangs(tmp_path, error):
-    model = tiny_model("llama", attention_dropout=0.0)
-    trainer = _FailingTrainer(
-        model=model,
-        args=training_args(tmp_path, gradient_accumulation_steps=4),
-        train_dataset=RandomTokens(),
-        callbacks=[MegaTrainPlugin()],
-    )
+    trainer, model = _trainer(_FailingTrainer, tmp_path, 4)
     trainer.error = error
     with pytest.raises(type(error)):
         trainer.train()
@@ -207,26 +213,14 @@ class _DirectBackwardTrainer(Trainer):
 
 
 def test_direct_backward_inside_a_group_is_refused(tmp_path):
-    model = tiny_model("llama", attention_dropout=0.0)
-    trainer = _DirectBackwardTrainer(
-        model=model,
-        args=training_args(tmp_path, gradient_accumulation_steps=2),
-        train_dataset=RandomTokens(),
-        callbacks=[MegaTrainPlugin()],
-    )
+    trainer, _ = _trainer(_DirectBackwardTrainer, tmp_path, 2)
     with pytest.raises(RuntimeError, match=r"accelerator\.backward\(loss\).*layer_major=False"):
         trainer.train()
     assert not _microbatch_threads()
 
 
 def test_direct_backward_works_with_layer_major_off(tmp_path):
-    model = tiny_model("llama", attention_dropout=0.0)
-    trainer = _DirectBackwardTrainer(
-        model=model,
-        args=training_args(tmp_path, gradient_accumulation_steps=2),
-        train_dataset=RandomTokens(),
-        callbacks=[MegaTrainPlugin(layer_major=False)],
-    )
+    trainer, _ = _trainer(_DirectBackwardTrainer, tmp_path, 2, layer_major=False)
     trainer.train()
     assert trainer.state.global_step == 6
 
