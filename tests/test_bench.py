@@ -68,6 +68,9 @@ def test_plain_ran_and_measured(bench):
     assert plain["params"] == PRESETS["tiny"].params()
     assert plain["link_bytes_per_step"] is None and "not instrumented" in plain["link_note"]
     assert plain["system_check"]["distributed_type"].endswith("NO")
+    phases = plain["host_rss_by_phase"]  # where the host peak happens (setup vs training)
+    assert list(phases) == ["model_built", "trainer_built", "train_begin", "first_step_done", "train_end"]
+    assert all(0 < v["rss_gib"] <= v["peak_rss_gib"] for v in phases.values())
 
 
 def test_deepspeed_reported_unavailable_without_numbers(bench):

@@ -141,6 +141,7 @@ class ResourceSampler:
         self.cuda_device = cuda_device
         self.peak_rss_bytes = 0
         self.peak_device_used_bytes: int | None = None
+        self.marks: dict[str, dict[str, float]] = {}  # phase -> host RSS now and peak so far (GiB)
         self._process = psutil.Process()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-resource-sampler", daemon=True)
@@ -166,10 +167,33 @@ class ResourceSampler:
                 return
             self._stop.wait(self.interval_s)
 
+    def mark(self, phase: str) -> None:
+        """Record the host RSS now and the peak so far, named by a setup/training phase."""
+        self._sample()
+        self.marks[phase] = {"rss_gib": self._process.memory_info().rss / 2**30,
+                             "peak_rss_gib": self.peak_rss_bytes / 2**30}
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
         self._sample()
+
+
+class PhaseMarks(TrainerCallback):
+    """Marks the sampler at the start of training (optimizer built), after step 1, and at the end."""
+
+    def __init__(self, sampler: ResourceSampler) -> None:
+        self.sampler = sampler
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.sampler.mark("train_begin")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            self.sampler.mark("first_step_done")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.sampler.mark("train_end")
 
 
 def ru_maxrss_bytes() -> int:

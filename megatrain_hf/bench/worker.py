@@ -111,7 +111,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import Trainer
 
-    from .metrics import ResourceSampler, StepTimer
+    from .metrics import PhaseMarks, ResourceSampler, StepTimer
 
     check_available(args.system, args.device)
     shape = shape_from_args(args)
@@ -128,6 +128,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 max_steps=args.warmup_steps + args.steps, bf16=args.dtype == "bf16", use_cpu=not cuda, seed=args.seed,
             )  # before the model: under ZeRO-3, from_config then builds it partitioned (zero.Init)
             model = build_model(shape, args.seq_len, args.seed)
+            sampler.mark("model_built")
             params = trainable_params(model)
             setup["model_build_s"] = time.perf_counter() - t0
             n_samples = (args.warmup_steps + args.steps) * args.grad_accum * args.micro_batch
@@ -135,8 +136,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             timer, check = StepTimer(cuda_sync=cuda), SystemCheck(args.system)
             t1 = time.perf_counter()
             trainer = Trainer(model=model, args=targs, train_dataset=data,
-                              callbacks=[timer, check, *extra_callbacks(args.system)])
+                              callbacks=[timer, check, PhaseMarks(sampler), *extra_callbacks(args.system)])
             check.trainer = trainer
+            sampler.mark("trainer_built")  # megatrain: attached, host buffers allocated
             setup["trainer_init_s"] = time.perf_counter() - t1
             t2 = time.perf_counter()
             trainer.train()
@@ -146,6 +148,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         sampler.stop()
     result = measurements(args, shape, params, timer, sampler)
     result["setup_s"] = setup
+    result["host_rss_by_phase"] = sampler.marks
     result["system_check"] = check.facts
     result["attn_implementation"] = attn
     return result
