@@ -74,6 +74,18 @@ class MegaTrainConfig:
     than plain Trainer draws them). Activation checkpoints of all micro-batches of a step are
     alive at once on the GPU (see docs/memory.md)."""
 
+    chunked_loss: bool | str = "auto"
+    """Compute the training loss without the full logits: the head and the cross-entropy run
+    chunk by chunk over the tokens (forward keeps only the loss; backward recomputes each chunk),
+    so tokens x vocab logits never exist at once. Applies to training forwards with `labels`;
+    such forwards then return `logits=None`. `"auto"`: on under plain `transformers.Trainer`
+    (which reads only the loss), off for Trainer subclasses (TRL's `SFTTrainer` reads the logits
+    for its metrics) and for `attach()` in your own loop; `True`: always; `False`: never."""
+
+    loss_chunk_tokens: int | None = None
+    """Tokens per chunk of the chunked loss. `None`: about 2^26 logits per chunk (2,097 tokens at
+    vocabulary 32000: 256 MB of fp32 logits)."""
+
     host_adamw_kernel: str = "auto"
     """Kernel of the host AdamW update: `"native"` (megatrain's C++ kernel, built on first use with
     the system compiler: clip, AdamW and the bf16 staging copy in one pass over memory, ~30% fewer
@@ -104,6 +116,15 @@ class MegaTrainConfig:
         if self.host_threads is not None and (not isinstance(self.host_threads, int) or self.host_threads < 1):
             raise ValueError(
                 f"MegaTrainConfig.host_threads={self.host_threads!r}; allowed: None (all CPUs) or an int >= 1."
+            )
+        if self.chunked_loss not in (True, False, "auto"):
+            raise ValueError(f"MegaTrainConfig.chunked_loss={self.chunked_loss!r}; allowed: True, False or 'auto'.")
+        if self.loss_chunk_tokens is not None and (
+            not isinstance(self.loss_chunk_tokens, int) or isinstance(self.loss_chunk_tokens, bool)
+            or self.loss_chunk_tokens < 1
+        ):
+            raise ValueError(
+                f"MegaTrainConfig.loss_chunk_tokens={self.loss_chunk_tokens!r}; allowed: None (automatic) or an int >= 1."
             )
         if self.host_adamw_kernel not in ("auto", "native", "torch"):
             raise ValueError(

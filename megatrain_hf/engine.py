@@ -43,6 +43,7 @@ from .template import Template, TemplateCache
 logger = logging.getLogger(__name__)
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+_KERNEL_KEY = "_megatrain_kernel"  # a unit call's kwarg carrying a kernel (never reaches the module)
 _INPUT_KWARGS = ("hidden_states", "input_ids", "input", "inputs_embeds")
 
 
@@ -67,6 +68,7 @@ class _Call:
     autocast: tuple | None = None  # (enabled, dtype, cache_enabled) on the compute device type
     cpu_rng: torch.Tensor | None = None
     dev_rng: torch.Tensor | None = None
+    kernel: Any = None  # computes the unit instead of its template (the chunked head + loss)
 
 
 @dataclass
@@ -186,6 +188,8 @@ class Engine:
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         self._end_queued = False
         self._group: _Group | None = None
+        # the chunked head + loss (loss.py): installed at attach, active per config / integration
+        self.chunked_loss_active = self.config.chunked_loss is True
         self._install(model, units)
         logger.info(
             "megatrain attached: %d units (%d templates), %.1fM trainable params, %.2f GiB host, "
@@ -265,6 +269,7 @@ class Engine:
     def _install(self, model: nn.Module, units: Units) -> None:
         for unit in self.units:
             self._set_instance_attr(unit.module, "forward", self._make_forward(unit.index))
+        self._install_chunked_loss(unwrap(model))
         # Non-unit buffers (rotary inv_freq, ...) are small: they live on the compute device.
         in_units = {id(b) for m in units.modules for b in m.buffers()}
         for mod in model.modules():
@@ -300,6 +305,27 @@ class Engine:
         )
         self._undo.append(step_hook.remove)
         weakref.finalize(self, step_hook.remove)
+
+    def _install_chunked_loss(self, base: nn.Module) -> None:
+        """Route training forwards with labels through the chunked head + loss (``loss.py``)."""
+        if self.config.chunked_loss is False:
+            return
+        head = self.units[-1].module
+        if type(head) is not nn.Linear:  # e.g. a LoRA-wrapped lm_head: keep HF's head and loss
+            if self.config.chunked_loss is True:
+                logger.warning(
+                    "megatrain: chunked_loss=True but the lm_head is a %s, not an nn.Linear; the loss is "
+                    "computed from full logits.", type(head).__name__
+                )
+            self.chunked_loss_active = False
+            return
+        from .loss import chunked_forward
+
+        self._set_instance_attr(base, "forward", chunked_forward(self, base, base.forward, self.config.loss_chunk_tokens))
+
+    def head_loss(self, hidden: torch.Tensor, kernel: Any) -> torch.Tensor:
+        """The loss from the final hidden states, computed by ``kernel`` in the head unit's streamed call."""
+        return self._unit_forward(len(self.units) - 1, (hidden,), {_KERNEL_KEY: kernel})
 
     def _report_compute_device(self, base: nn.Module) -> None:
         """``model.device`` must name the compute device, not the host (generate() moves inputs there).
@@ -425,11 +451,14 @@ class Engine:
             x, rest = kwargs.pop(key), ()
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"streamed unit {self.units[u].name} expects a tensor input, got {type(x).__name__}")
+        kernel = kwargs.get(_KERNEL_KEY)
+        if kernel is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k != _KERNEL_KEY}
         unit = self.units[u]
         needs_graph = torch.is_grad_enabled() and (
             bool(unit.trainable) or (x.is_floating_point() and x.requires_grad)
         )
-        call = _Call(u, rest, kwargs, key)
+        call = _Call(u, rest, kwargs, key, kernel=kernel)
         if u == 0 and unit.module.training and torch.is_grad_enabled() and not x.is_floating_point():
             self.stats.tokens += x.numel()
             seq = x.shape[-1] if x.dim() else 1
@@ -592,6 +621,11 @@ class Engine:
 
     def _compute(self, call: _Call, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         unit = self.units[call.unit]
+        if call.kernel is not None:
+            with self._autocast(None):
+                out = call.kernel.forward(x, tensors)
+            self.stats.forward_units += 1
+            return out
         module = unit.template.bind(tensors, unit.mirror)
         try:
             with self._autocast(None):
@@ -624,14 +658,22 @@ class Engine:
                 tensors[e.name] = leaf
                 leaves.append(leaf)
             x_grad = x.is_floating_point() and x.requires_grad
-            x_in = x.detach().requires_grad_(x_grad)
-            with torch.enable_grad(), self._autocast(call.autocast):
-                out = self._compute(call, x_in, tensors)
-            if call.unit > 0:
-                self.streamer.prefetch(call.unit - 1)  # backward order; overlaps this unit's backward
-            self.stats.forward_units -= 1  # a recompute is not a forward
-            inputs = ([x_in] if x_grad else []) + leaves
-            grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+            if call.kernel is not None:  # the kernel recomputes chunk by chunk itself
+                if call.unit > 0:
+                    self.streamer.prefetch(call.unit - 1)
+                with self._autocast(call.autocast):
+                    grad_x, sums = call.kernel.backward(x, tensors, [e.name for e in unit.trainable], grad_out)
+                grads = (grad_x, *[sums.get(e.name) for e in unit.trainable])
+                x_grad = True
+            else:
+                x_in = x.detach().requires_grad_(x_grad)
+                with torch.enable_grad(), self._autocast(call.autocast):
+                    out = self._compute(call, x_in, tensors)
+                if call.unit > 0:
+                    self.streamer.prefetch(call.unit - 1)  # backward order; overlaps this unit's backward
+                self.stats.forward_units -= 1  # a recompute is not a forward
+                inputs = ([x_in] if x_grad else []) + leaves
+                grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
         grad_x = grads[0] if x_grad else None
         if leaves:
             self.grads.submit(call.unit, unit.trainable, list(grads[1 if x_grad else 0 :]))

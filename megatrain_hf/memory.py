@@ -45,6 +45,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from .loss import chunk_tokens as loss_chunk
+
 import psutil
 import torch
 
@@ -537,7 +539,7 @@ class MemoryPlan:
             "checkpoints": f"checkpoints ({n_ckpt} units x {self.micro_batches_in_flight} micro-batch)",
             "layer_working_set": "one layer's recompute working set",
             "weight_grads": "weight grads of largest unit (fp32)",
-            "logits": "logits + loss (tokens x vocab)",
+            "logits": "logits + loss (tokens or one chunk x vocab)",
             "runtime": "CUDA context + workspaces (allowance)",
         }
         for key, value in self.gpu_breakdown().items():
@@ -560,6 +562,8 @@ def plan_memory(
     grad_accum: int = 1,
     compute_dtype: str = "bf16",
     layer_major: bool = True,
+    chunked_loss: bool = True,
+    loss_chunk_tokens: int | None = None,
     lora_rank: int | None = None,
     lora_targets: Iterable[str] = LORA_TARGETS,
 ) -> MemoryPlan:
@@ -635,8 +639,10 @@ def plan_memory(
         gpu_checkpoints=(shape.layers + 2) * in_flight * tokens * h * 4,
         gpu_layer_working_set=tokens * per_token,
         gpu_weight_grads=max(grads(u) for u in distinct),
-        # layer-major: every micro-batch's logits and log-probs wait for the step's one backward
-        gpu_logits=in_flight * tokens * shape.vocab * (cbytes + 12),
+        # chunked loss: one chunk's logits at a time; else every in-flight micro-batch's logits and
+        # log-probs wait for the backward (layer-major: the step's one backward)
+        gpu_logits=(min(tokens, loss_chunk(loss_chunk_tokens, shape.vocab)) if chunked_loss else in_flight * tokens)
+        * shape.vocab * (cbytes + 12),
         gpu_runtime=GPU_RUNTIME_ALLOWANCE_BYTES,
     )
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,
@@ -875,6 +881,10 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layer-major", action=argparse.BooleanOptionalAction, default=True,
                         help="all grad-accum micro-batches in flight (layer-major schedule, Trainer's default "
                              "unless the model has dropout; --no-layer-major: one at a time)")
+    parser.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
+                        help="head + loss chunk by chunk (the default under plain Trainer; --no-chunked-loss: "
+                             "full logits, e.g. Trainer subclasses)")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: auto)")
     parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
     parser.add_argument("--host-gib", type=float, default=None,
                         help="plan against this much RAM instead of this machine's available RAM")
@@ -893,6 +903,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
             grad_accum=args.grad_accum,
             compute_dtype=args.dtype,
             layer_major=args.layer_major,
+            chunked_loss=args.chunked_loss,
+            loss_chunk_tokens=args.loss_chunk_tokens,
             lora_rank=args.lora_rank,
         )
     except ValueError as exc:

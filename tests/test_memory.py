@@ -188,14 +188,17 @@ def test_gpu_memory_grows_with_depth_only_through_checkpoints():
 
 def test_gpu_items_follow_batch_and_schedule():
     shape = PRESETS["llama-7b"]
-    one = plan_memory(shape, seq_len=4096, micro_batch=1, grad_accum=4, layer_major=False)
-    layer_major = plan_memory(shape, seq_len=4096, micro_batch=1, grad_accum=4)  # the default
+    one = plan_memory(shape, seq_len=4096, micro_batch=1, grad_accum=4, layer_major=False, chunked_loss=False)
+    layer_major = plan_memory(shape, seq_len=4096, micro_batch=1, grad_accum=4, chunked_loss=False)
     assert layer_major.gpu_checkpoints == 4 * one.gpu_checkpoints
-    assert layer_major.gpu_logits == 4 * one.gpu_logits
+    assert layer_major.gpu_logits == 4 * one.gpu_logits  # every micro-batch's logits until backward
+    chunked = plan_memory(shape, seq_len=4096, micro_batch=1, grad_accum=4)  # the defaults
+    assert chunked.gpu_logits == (2**26 // 32000) * 32000 * 14  # one chunk, whatever the schedule
+    assert plan_memory(shape, seq_len=4096, micro_batch=1, loss_chunk_tokens=512).gpu_logits == 512 * 32000 * 14
     assert layer_major.host_total == one.host_total  # grad accumulators are fp32 whatever the GA
     # the embedding (fp32 on the wire, 0.49 GiB) is the largest unit of llama-7b: 2 slots of it
     assert one.gpu_weight_slots == 2 * 32000 * 4096 * 4
-    assert one.gpu_logits == 4096 * 32000 * 14
+    assert one.gpu_logits == 4096 * 32000 * 14  # full logits
     two = plan_memory(shape, seq_len=4096, micro_batch=2)
     assert two.gpu_layer_working_set == 2 * one.gpu_layer_working_set
 

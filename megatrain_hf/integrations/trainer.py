@@ -223,8 +223,17 @@ class MegaTrainPlugin(TrainerCallback):
         trainer._save_checkpoint = types.MethodType(_save_checkpoint, trainer)
         trainer._save_optimizer_and_scheduler = types.MethodType(_save_optimizer_and_scheduler, trainer)
         trainer._load_optimizer_and_scheduler = types.MethodType(_load_optimizer_and_scheduler, trainer)
+        if plugin.config.chunked_loss == "auto" and type(trainer) is Trainer:
+            # plain Trainer reads only the loss of a training forward; subclasses may read logits
+            self.engine.chunked_loss_active = self._chunked_loss_installed()
         gradient_state = trainer.accelerator.gradient_state
         self.engine.grads.final_microbatch = lambda: bool(gradient_state.sync_gradients)
+
+    def _chunked_loss_installed(self) -> bool:
+        from ..adapters import unwrap
+
+        base = unwrap(self.engine.model)
+        return "forward" in vars(base) and type(self.engine.units[-1].module) is torch.nn.Linear
 
     # ------------------------------------------------------------------ layer-major accumulation
     def _layer_major_applies(self, trainer) -> bool:

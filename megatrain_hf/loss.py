@@ -1,0 +1,164 @@
+"""Chunked head + cross-entropy: the loss of a causal LM without its full logits.
+
+HF's causal-LM forward computes ``logits = lm_head(hidden)`` for every token, then the loss from
+them (``logits.float()``, cross-entropy): tokens x vocab x (2 + 4 + 4) bytes alive until backward
+(2.1 GB per 16K tokens at vocab 32000, and layer-major keeps every micro-batch's). With the
+chunked loss, the model's forward runs its decoder as usual but the head and the loss run as one
+streamed call of the head unit whose kernel (:class:`ChunkedLMLoss`) goes over the tokens in
+chunks: forward keeps only the loss, backward recomputes each chunk's logits and produces the
+gradients of the hidden states and of the head weight chunk by chunk.
+
+The arithmetic is HF's, per token: the head matmul under the same autocast state, the family's
+final logit soft-capping in the logits' dtype, ``cross_entropy`` on the fp32 logits, the sum
+divided by ``num_items_in_batch`` (or the mean over labelled tokens), labels shifted by one with
+``ignore_index`` padding (or ``shift_labels`` as given). With one chunk the operations are HF's
+exactly; with several, the sums run chunk by chunk, so results equal HF's up to summation order
+(fp32 rounding), and in bf16 the head's weight gradient is rounded per chunk instead of once.
+
+The forward returned by :func:`chunked_forward` gives ``logits=None``: it is used only for
+training forwards with labels (Trainer reads only the loss); evaluation and generation run the
+model's own forward.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+_CHUNK_ELEMENTS = 1 << 26  # logits elements per chunk when not configured (256 MB in fp32)
+
+
+@dataclass
+class ChunkedLMLoss:
+    """Kernel of the head unit's call: ``forward`` returns the loss, ``backward`` the gradients."""
+
+    labels: torch.Tensor  # (tokens,) shifted targets, ignore_index where unlabelled
+    denominator: torch.Tensor | float | None  # num_items_in_batch, or None: mean over labelled tokens
+    ignore_index: int
+    softcap: float | None
+    chunk_tokens: int
+    weight: str = "weight"
+    bias: str = "bias"
+
+    def _flat(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.reshape(-1, x.shape[-1]), self.labels.to(x.device)
+
+    def _logits(self, h: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = F.linear(h, tensors[self.weight], tensors.get(self.bias))
+        if self.softcap is not None:  # as Gemma 2/3's forward does, in the logits' dtype
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()
+
+    def _chunk_loss(self, h: torch.Tensor, labels: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        # every token of the chunk, ignored ones included (they add 0), as HF's cross_entropy sums
+        return F.cross_entropy(self._logits(h, tensors), labels, ignore_index=self.ignore_index, reduction="sum")
+
+    def _scale(self, total: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.denominator is None:  # cross_entropy's "mean": nan without labelled tokens, as in HF
+            return total / (labels != self.ignore_index).sum()
+        denominator = self.denominator
+        if torch.is_tensor(denominator):
+            denominator = denominator.to(total.device)
+        return total / denominator
+
+    def forward(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        hidden, labels = self._flat(x)
+        total = None
+        for start in range(0, hidden.shape[0], self.chunk_tokens):
+            stop = start + self.chunk_tokens
+            loss = self._chunk_loss(hidden[start:stop], labels[start:stop], tensors)
+            total = loss if total is None else total + loss
+        return self._scale(total, labels)
+
+    def backward(
+        self, x: torch.Tensor, tensors: dict[str, torch.Tensor], leaves: list[str], grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """Gradients of ``loss * grad_out`` w.r.t. the hidden states and the ``leaves`` tensors."""
+        hidden, labels = self._flat(x)
+        # d(loss)/d(a chunk's summed cross-entropy) x grad_out, as autograd computes it through the division
+        seed = self._scale(grad_out.to(torch.float32).reshape(()), labels)
+        grad_hidden = torch.empty_like(hidden) if x.requires_grad else None
+        sums: dict[str, torch.Tensor] = {}
+        params = [tensors[name] for name in leaves]
+        for start in range(0, hidden.shape[0], self.chunk_tokens):
+            stop = start + self.chunk_tokens
+            h = hidden[start:stop].detach().requires_grad_(grad_hidden is not None)
+            with torch.enable_grad():
+                loss = self._chunk_loss(h, labels[start:stop], tensors)
+                inputs = ([h] if grad_hidden is not None else []) + params
+                grads = torch.autograd.grad(loss, inputs, seed, allow_unused=True)
+            if grad_hidden is not None:
+                grad_hidden[start:stop] = grads[0]
+                grads = grads[1:]
+            for name, g in zip(leaves, grads):
+                if g is None:
+                    continue
+                if name in sums:
+                    sums[name].add_(g)  # fp32 += (bf16 or fp32): exact conversion, one rounding
+                else:
+                    sums[name] = g.to(torch.float32, copy=True)
+        return (grad_hidden.view_as(x) if grad_hidden is not None else None), sums
+
+
+def chunk_tokens(configured: int | None, vocab: int) -> int:
+    if configured is not None:
+        return configured
+    return max(1, _CHUNK_ELEMENTS // max(1, vocab))
+
+
+def chunked_forward(engine: Any, base: torch.nn.Module, original: Callable, chunk: int | None) -> Callable:
+    """A replacement for ``base.forward`` that computes the training loss chunk by chunk.
+
+    Used when the module is training, gradients are enabled, ``labels`` are given and no logits are
+    asked for (``logits_to_keep``/positional arguments route to the original forward).
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    config = base.config
+    softcap = getattr(config, "final_logit_softcapping", None)
+    vocab = config.vocab_size
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        labels = kwargs.get("labels")
+        if (
+            not engine.chunked_loss_active
+            or args
+            or labels is None
+            or not base.training
+            or not torch.is_grad_enabled()
+            or kwargs.get("return_dict") is False
+        ):
+            return original(*args, **kwargs)
+        kwargs = dict(kwargs)
+        labels = kwargs.pop("labels")
+        kwargs.pop("logits_to_keep", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        num_items = kwargs.get("num_items_in_batch")  # also passed on, as HF passes its kwargs
+        outputs = base.get_decoder()(**kwargs)
+        hidden = outputs[0]
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        kernel = ChunkedLMLoss(
+            labels=shift_labels.reshape(-1),
+            denominator=num_items,
+            ignore_index=ignore_index,
+            softcap=softcap,
+            chunk_tokens=chunk_tokens(chunk, vocab),
+        )
+        loss = engine.head_loss(hidden, kernel)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
+            attentions=getattr(outputs, "attentions", None),
+        )
+
+    return forward
+

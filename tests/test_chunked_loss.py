@@ -1,0 +1,127 @@
+"""The chunked head + cross-entropy (megatrain_hf/loss.py) against HF's full-logits loss (CPU, fp32).
+
+One chunk performs HF's operations exactly (bitwise); several chunks add the per-chunk sums in
+another order (loss within ~1e-6, gradients within ~1e-7). Under plain Trainer it is on by
+default; a Trainer subclass keeps HF's loss (it may read the logits).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import (
+    FAMILY_CONFIGS,
+    RandomTokens,
+    assert_close_losses,
+    assert_close_params,
+    state_of,
+    tiny_model,
+    train,
+    training_args,
+)
+from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach, engine_of
+from megatrain_hf.integrations.trainer import Trainer
+
+
+def _batch(n: int = 4) -> dict:
+    data = RandomTokens(n=n)
+    batch = {k: torch.stack([data[i][k] for i in range(n)]) for k in data[0]}
+    batch["labels"][0, :5] = -100  # a prompt that is not trained on
+    return batch
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("chunk", [None, 7])
+@pytest.mark.parametrize("num_items", [None, 40])
+def test_matches_hf_loss_and_gradients(family, chunk, num_items):
+    batch = _batch()
+    extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    ref = tiny_model(family, attention_dropout=0.0)
+    ref_loss = ref(**batch, **extra).loss
+    ref_loss.backward()
+    model = tiny_model(family, attention_dropout=0.0)
+    engine = attach(model, MegaTrainConfig(chunked_loss=True, loss_chunk_tokens=chunk), device="cpu")
+    out = model(**batch, **extra)
+    assert out.logits is None  # never materialised
+    out.loss.backward()
+    engine.synchronize()
+    pairs = list(zip(ref.named_parameters(), model.named_parameters()))
+    if chunk is None:  # one chunk: HF's operations exactly
+        assert torch.equal(ref_loss, out.loss)
+        for (name, p), (_, q) in pairs:
+            assert torch.equal(p.grad, q.grad), name
+    else:  # 64 tokens in chunks of 7
+        assert abs(ref_loss.item() - out.loss.item()) < 2e-6
+        for (name, p), (_, q) in pairs:
+            torch.testing.assert_close(q.grad, p.grad, atol=1e-7, rtol=1e-5, msg=name)
+
+
+def test_eval_generate_and_unlabelled_forwards_keep_logits():
+    batch = _batch()
+    model = tiny_model("llama")
+    attach(model, MegaTrainConfig(chunked_loss=True), device="cpu")
+    assert model(input_ids=batch["input_ids"]).logits.shape == (4, 16, 128)  # no labels
+    model.eval()
+    with torch.no_grad():
+        out = model(**batch)
+    assert out.logits is not None and out.loss is not None
+    model.train()
+    with torch.no_grad():
+        assert model(**batch).logits is not None  # no gradients: HF's own forward
+
+
+def test_all_labels_ignored_gives_nan_like_hf():
+    batch = _batch()
+    batch["labels"][:] = -100
+    ref = tiny_model("llama")
+    model = tiny_model("llama")
+    attach(model, MegaTrainConfig(chunked_loss=True), device="cpu")
+    assert torch.isnan(ref(**batch).loss) and torch.isnan(model(**batch).loss)
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_trainer_parity_with_layer_major(tmp_path, chunk):
+    args = dict(gradient_accumulation_steps=3)
+    ref_model = tiny_model("gemma2", attention_dropout=0.0)
+    _, ref_losses = train(ref_model, training_args(tmp_path / "ref", **args))
+    model = tiny_model("gemma2", attention_dropout=0.0)
+    trainer, losses = train(model, training_args(tmp_path / "mt", **args),
+                            callbacks=[MegaTrainPlugin(loss_chunk_tokens=chunk)])
+    assert engine_of(model).chunked_loss_active  # plain Trainer: on by default
+    assert_close_losses(ref_losses, losses, 2e-6)
+    assert_close_params(state_of(ref_model), state_of(model), 5e-6)
+
+
+class _Subclass(Trainer):
+    pass
+
+
+def test_off_for_trainer_subclasses_and_when_disabled(tmp_path):
+    model = tiny_model("llama")
+    _Subclass(model=model, args=training_args(tmp_path / "a"), train_dataset=RandomTokens(),
+              callbacks=[MegaTrainPlugin()])
+    assert not engine_of(model).chunked_loss_active  # a subclass may read outputs.logits
+    model = tiny_model("llama")
+    Trainer(model=model, args=training_args(tmp_path / "b"), train_dataset=RandomTokens(),
+            callbacks=[MegaTrainPlugin(chunked_loss=False)])
+    assert not engine_of(model).chunked_loss_active
+    assert "forward" not in vars(model)  # not even installed
+
+
+def test_lora_on_the_head_keeps_hf_loss(caplog):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    with caplog.at_level("WARNING", logger="megatrain_hf.engine"):
+        engine = attach(model, MegaTrainConfig(chunked_loss=True), device="cpu")
+    assert "not an nn.Linear" in caplog.text and not engine.chunked_loss_active
+    batch = _batch()
+    assert model(**batch).logits is not None
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_config_rejects_bad_chunk(bad):
+    with pytest.raises(ValueError, match=r"loss_chunk_tokens=.*None \(automatic\) or an int >= 1"):
+        MegaTrainConfig(loss_chunk_tokens=bad)
+    with pytest.raises(ValueError, match=r"chunked_loss='yes'; allowed: True, False or 'auto'"):
+        MegaTrainConfig(chunked_loss="yes")
