@@ -230,3 +230,18 @@ def test_config_rejects_bad_layer_major():
 
     with pytest.raises(ValueError, match="layer_major='yes'.*True, False or 'auto'"):
         MegaTrainConfig(layer_major="yes")
+
+
+def test_resume_equals_uninterrupted_run_layer_major(tmp_path, group_calls):
+    """Checkpoint at step 3 of 6 (GA 3, layer-major, chunked loss), resume in a fresh model:
+    the remaining micro-batch losses and the final parameters equal the uninterrupted run."""
+    args = dict(gradient_accumulation_steps=3, save_strategy="steps", save_steps=3)
+    full = tiny_model("qwen3", attention_dropout=0.0)
+    _, full_losses = train(full, training_args(tmp_path / "run", **args), callbacks=[MegaTrainPlugin()])
+    assert group_calls == [3] * 6
+    resumed = tiny_model("qwen3", seed=123, attention_dropout=0.0)  # everything must come from the checkpoint
+    _, resumed_losses = train(resumed, training_args(tmp_path / "run", **args), callbacks=[MegaTrainPlugin()],
+                              resume=str(tmp_path / "run" / "checkpoint-3"))
+    assert group_calls == [3] * 9
+    assert_close_losses(full_losses[9:], resumed_losses, ATOL)
+    assert_close_params(state_of(full), state_of(resumed), ATOL)
