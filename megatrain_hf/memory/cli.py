@@ -1,0 +1,143 @@
+"""``megatrain estimate``: print the memory plan of a model, what fits this machine, and a chart."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .plan import (
+    DEFAULT_HEADROOM_BYTES,
+    GiB,
+    MemoryPlan,
+    _gib,
+    available_host_bytes,
+    largest_model,
+    largest_preset,
+    plan_memory,
+)
+from .shapes import PRESETS, resolve_model
+
+def estimate_main(argv: list[str] | None = None) -> int:
+    """``megatrain estimate``: print the memory plan of a model and what fits this machine."""
+    parser = argparse.ArgumentParser(
+        prog="megatrain estimate",
+        description="Host RAM (exact) and GPU memory (estimate) needed to train a model with megatrain.",
+    )
+    parser.add_argument("--model", required=True,
+                        help=f"preset ({', '.join(PRESETS)}), a model directory with config.json, or a config.json")
+    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype (default bf16)")
+    parser.add_argument("--layer-major", action=argparse.BooleanOptionalAction, default=True,
+                        help="all grad-accum micro-batches in flight (layer-major schedule, Trainer's default "
+                             "unless the model has dropout; --no-layer-major: one at a time)")
+    parser.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
+                        help="head + loss chunk by chunk (the default under plain Trainer; --no-chunked-loss: "
+                             "full logits, e.g. Trainer subclasses)")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: auto)")
+    parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
+    parser.add_argument("--host-gib", type=float, default=None,
+                        help="plan against this much RAM instead of this machine's available RAM")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    parser.add_argument("--chart", default=None, metavar="PNG", help="also write a bar chart of the plan")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help is 0, usage errors are 2
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    try:
+        shape = resolve_model(args.model)
+        plan = plan_memory(
+            shape,
+            seq_len=args.seq_len,
+            micro_batch=args.micro_batch,
+            grad_accum=args.grad_accum,
+            compute_dtype=args.dtype,
+            layer_major=args.layer_major,
+            chunked_loss=args.chunked_loss,
+            loss_chunk_tokens=args.loss_chunk_tokens,
+            lora_rank=args.lora_rank,
+        )
+    except ValueError as exc:
+        print(f"megatrain estimate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.host_gib is not None:
+        available, source = int(args.host_gib * GiB), "given by --host-gib"
+    else:
+        available, source = available_host_bytes(), "available on this machine now"
+    required = plan.host_total + DEFAULT_HEADROOM_BYTES
+    fits = required <= available
+    fit = largest_model(available, base=shape, compute_dtype=plan.compute_dtype, lora_rank=args.lora_rank)
+    preset = largest_preset(available, compute_dtype=plan.compute_dtype, lora_rank=args.lora_rank)
+    gpu_available = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    if args.json:
+        print(json.dumps({
+            "plan": plan.to_dict(),
+            "host_available_bytes": available,
+            "host_required_bytes": required,
+            "headroom_bytes": DEFAULT_HEADROOM_BYTES,
+            "fits_host": fits,
+            "gpu_available_bytes": gpu_available,
+            "fits_gpu": None if gpu_available is None else plan.gpu_total <= gpu_available,
+            "largest_preset": preset,
+            "max_layers": fit.deepest.layers if fit.deepest else 0,
+            "max_layers_params": fit.deepest.params() if fit.deepest else 0,
+            "widest_hidden": fit.widest.hidden if fit.widest else None,
+        }, indent=2))
+        return 0
+    print(plan.table())
+    print()
+    if args.chart:
+        write_chart(plan, args.chart)
+        print(f"chart written to {args.chart}")
+    verdict = "fits" if fits else "does NOT fit"
+    print(f"host RAM {source}: {_gib(available)} GiB; plan {_gib(plan.host_total)} + headroom "
+          f"{_gib(DEFAULT_HEADROOM_BYTES)} = {_gib(required)} GiB -> {verdict}"
+          + ("" if fits else f" (short by {_gib(required - available)} GiB)"))
+    if gpu_available is not None:
+        gpu_fits = "fits" if plan.gpu_total <= gpu_available else "does NOT fit"
+        print(f"GPU 0: {_gib(gpu_available)} GiB; estimate {_gib(plan.gpu_total)} GiB -> {gpu_fits}")
+    else:
+        print(f"GPU: none visible here; the estimate above is {_gib(plan.gpu_total)} GiB")
+    mode = f"LoRA r={args.lora_rank}, " if args.lora_rank is not None else ""
+    print(f"largest preset that fits ({mode}{plan.compute_dtype}): {preset or 'none'}")
+    print(fit.describe())
+    if not fits:
+        lora_hint = "" if args.lora_rank is not None else ", --lora-rank (LoRA)"
+        print(f"to fit: fewer layers / a smaller model{lora_hint}, or more RAM")
+    return 0
+
+
+
+
+def write_chart(plan: MemoryPlan, path: str) -> None:
+    """A PNG with two stacked bars: host RAM per tier and GPU memory per item (GiB)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    breakdowns = (plan.host_breakdown(), plan.gpu_breakdown())
+    scale = max(sum(b.values()) for b in breakdowns) / GiB
+    for x, breakdown in enumerate(breakdowns):
+        bottom = 0.0
+        for name, nbytes in breakdown.items():
+            value = nbytes / GiB
+            if value <= 0:
+                continue
+            ax.bar(x, value, bottom=bottom, label=name)
+            if value > 0.04 * scale:
+                ax.text(x, bottom + value / 2, f"{name} {value:.1f}", ha="center", va="center", fontsize=7)
+            bottom += value
+        ax.text(x, bottom, f"{bottom:.1f} GiB", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([0, 1], ["host RAM", "GPU"])
+    ax.set_ylabel("GiB")
+    ax.set_title(f"{plan.shape.name or 'model'}: seq {plan.seq_len} x {plan.micro_batch} x {plan.grad_accum}, "
+                 f"{plan.compute_dtype}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
