@@ -30,6 +30,9 @@ for stage in $STAGES; do
         timeout 300 python3 scripts/gpu_train.py --system $sys --steps 20 --checkpointing --out "$R/train1b_$sys.json" > "$R/train1b_$sys.log" 2>&1
         summary "train1b $sys rc=$? $(tail -1 "$R/train1b_$sys.log" | cut -c1-400)"
       done;;
+    soak)
+      timeout 540 python3 scripts/gpu_soak.py ${SOAK_ARGS:---model llama-1.36b --layers 8 --seq-len 1024 --micro-batch 4 --grad-accum 2 --steps 500 --save-steps 250} --out "$R/soak.json" > "$R/soak.log" 2>&1
+      summary "soak rc=$? $(tail -1 "$R/soak.log" | cut -c1-600)";;
     bench*)
       # BENCH_ARGS_<stage> holds the arguments, e.g. BENCH_ARGS_bench3b="--model llama-3.14b ..."
       var="BENCH_ARGS_${stage}"

@@ -536,3 +536,18 @@ def test_soak_500_steps_memory_and_threads_flat(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert trainer.optimizer.optimizer.skipped_steps == 0
     print(f"soak: 500 steps in {elapsed:.1f} s; RSS MiB by step {mib}")
+
+
+def test_soak_script_smoke(tmp_path):
+    """scripts/gpu_soak.py (the H200 soak of the reliability issue) runs and judges flatness (CPU, tiny)."""
+    out = tmp_path / "soak.json"
+    done = subprocess.run(
+        [sys.executable, "scripts/gpu_soak.py", "--model", "tiny", "--device", "cpu", "--dtype", "fp32",
+         "--steps", "40", "--every", "10", "--from-step", "20", "--save-steps", "20", "--out", str(out)],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["ok"] and sorted(map(int, result["samples"])) == [10, 20, 30, 40]
+    assert set(result["checks"]) >= {"host_rss_flat", "threads_flat", "fds_flat", "finite_parameters"}
