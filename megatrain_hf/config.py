@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -94,6 +95,15 @@ class MegaTrainConfig:
     `"auto"`: native when computing on CUDA (falls back to torch, with a warning, if it cannot be
     built), torch on the CPU."""
 
+    max_gpu_memory: str | int | None = None
+    """GPU memory budget for this process, e.g. `"24GiB"`, `"20GB"` or a byte count; `None`: no
+    budget. The engine caps PyTorch's allocator there (`torch.cuda.set_per_process_memory_fraction`)
+    and sizes the layer-major schedule to it: the first optimizer step runs its micro-batches one
+    at a time and measures the GPU peak and the activation-checkpoint bytes of a micro-batch; later
+    steps run as many micro-batches per group as fit (`megatrain/microbatches_in_flight` in the
+    logs). One micro-batch at a time is the floor: if that does not fit, reduce the micro-batch or
+    the sequence length (checkpoint offload to host memory is not implemented yet)."""
+
     check_host_memory: bool = True
     """Before allocating, compare the host bytes the plan needs with the RAM available and raise
     with the arithmetic if it does not fit. Turn off only where the OS reports less available
@@ -139,7 +149,30 @@ class MegaTrainConfig:
                 f"MegaTrainConfig.pin_memory={self.pin_memory!r}; allowed: True, False or 'auto'."
             )
 
+        if self.max_gpu_memory is not None:
+            self.gpu_memory_bytes()  # validates
+
     # ------------------------------------------------------------------ helpers
+    def gpu_memory_bytes(self) -> int | None:
+        """``max_gpu_memory`` in bytes (None without a budget)."""
+        value = self.max_gpu_memory
+        if value is None:
+            return None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        if isinstance(value, str):
+            match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", value)
+            if match:
+                number = float(match.group(1))
+                unit = match.group(2) or "B"
+                scale = {"B": 1, "MB": 10**6, "MiB": 2**20, "GB": 10**9, "GiB": 2**30, "TB": 10**12, "TiB": 2**40}[unit]
+                if number > 0:
+                    return int(number * scale)
+        raise ValueError(
+            f"MegaTrainConfig.max_gpu_memory={value!r}; allowed: None, a positive byte count, or a size such as "
+            "'24GiB', '20GB', '512MiB'."
+        )
+
     def resolve_dtype(self, trainer_bf16: bool = False) -> torch.dtype:
         """The compute dtype, given whether the Trainer asked for bf16 mixed precision."""
         dtype = _DTYPES[self.compute_dtype]

@@ -190,6 +190,7 @@ class Engine:
         self._group: _Group | None = None
         # the chunked head + loss (loss.py): installed at attach, active per config / integration
         self.chunked_loss_active = self.config.chunked_loss is True
+        self._init_budget()
         self._install(model, units)
         logger.info(
             "megatrain attached: %d units (%d templates), %.1fM trainable params, %.2f GiB host, "
@@ -480,6 +481,9 @@ class Engine:
             if dev_type == "cuda":
                 call.dev_rng = torch.cuda.get_rng_state(self.device)
         out, token = _StreamedUnit.apply(self, call, self._anchor_for_call(), x)
+        self._ckpt_bytes += x.numel() * x.element_size()  # the checkpoint this call keeps
+        if u == 0:
+            self._ckpt_calls += 1
         group = self._group
         if group is not None and group.current is not None:
             r = group.rounds.get(group.current.index, 0)
@@ -509,6 +513,51 @@ class Engine:
             anchor = tokens[0] if len(tokens) == 1 else torch.stack(tokens).sum()
             group.anchors[r] = anchor
         return anchor
+
+    # ------------------------------------------------------------------ GPU memory budget
+    def _init_budget(self) -> None:
+        """``max_gpu_memory``: cap the allocator, and size layer-major groups from measurements."""
+        self.gpu_budget = self.config.gpu_memory_bytes()
+        self.in_flight = None  # micro-batches per layer-major group in the last step (None: not grouped)
+        self._ckpt_bytes = 0  # activation-checkpoint bytes saved by graph calls since the last observation
+        self._ckpt_calls = 0  # embedding calls with a graph since then (= micro-batches)
+        self._observed: tuple[int, int] | None = None  # (peak bytes at in_flight, checkpoint bytes per micro-batch)
+        self._peak_source = None
+        if self.gpu_budget is None or self.device.type != "cuda":
+            return
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        fraction = min(1.0, self.gpu_budget / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        self._undo.append(lambda: torch.cuda.set_per_process_memory_fraction(1.0, self.device))
+        self._peak_source = lambda: torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        logger.info("megatrain: GPU memory capped at %.2f GiB (%.1f%% of %s)", self.gpu_budget / 2**30,
+                    100 * fraction, torch.cuda.get_device_name(self.device))
+
+    def microbatches_in_flight(self, k: int) -> int:
+        """How many of a step's ``k`` micro-batches to run per layer-major group under the budget."""
+        if self.gpu_budget is None or self._peak_source is None:
+            return k
+        if self._observed is None:
+            return 1  # first step: one at a time, measured
+        base, per_microbatch = self._observed
+        if per_microbatch <= 0:
+            return k
+        fits = int((0.97 * self.gpu_budget - base) // per_microbatch)
+        return max(1, min(k, fits))
+
+    def observe_step(self) -> None:
+        """After an optimizer step: the GPU peak and checkpoint bytes per micro-batch of that step."""
+        calls, nbytes = self._ckpt_calls, self._ckpt_bytes
+        self._ckpt_bytes = self._ckpt_calls = 0
+        if self._peak_source is None or calls == 0:
+            return
+        per_microbatch = nbytes // calls
+        in_flight = self.in_flight or 1
+        peak = int(self._peak_source())
+        self._observed = (peak - in_flight * per_microbatch, per_microbatch)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     # ------------------------------------------------------------------ layer-major accumulation
     def run_layer_major(self, fns: list[Callable[[], Any]]) -> list[Any]:

@@ -245,3 +245,45 @@ def test_resume_equals_uninterrupted_run_layer_major(tmp_path, group_calls):
     assert group_calls == [3] * 9
     assert_close_losses(full_losses[9:], resumed_losses, ATOL)
     assert_close_params(state_of(full), state_of(resumed), ATOL)
+
+
+@pytest.mark.parametrize("budget, expected", [(10**12, 4), (1, 1)])
+def test_gpu_budget_sizes_the_groups(tmp_path, group_calls, budget, expected):
+    """max_gpu_memory: step 1 runs its micro-batches one at a time and measures; later steps run as
+    many per group as the budget allows (the GPU peak is simulated here: CPU)."""
+    trainer, model = _trainer(Trainer, tmp_path, 4, max_gpu_memory="1GiB")
+    engine = engine_of(model)
+    engine.gpu_budget, engine._peak_source = budget, lambda: 5_000
+    trainer.train()
+    assert group_calls == [1] * 4 + [expected] * (5 * 4 // expected)
+    assert engine.in_flight == expected
+    base, per_microbatch = engine._observed
+    assert per_microbatch == sum(  # every graph call's checkpoint: token ids (int64) in, then fp32 hidden states
+        16 * 2 * (8 if u == 0 else 4 * 64) for u in range(len(engine.units))
+    )
+
+
+def test_gpu_budget_keeps_exactness(tmp_path):
+    args = dict(gradient_accumulation_steps=4)
+    ref = tiny_model("llama", attention_dropout=0.0)
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", **args))
+    model = tiny_model("llama", attention_dropout=0.0)
+    trainer = Trainer(model=model, args=training_args(tmp_path / "mt", **args), train_dataset=RandomTokens(),
+                      callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB")])
+    engine = engine_of(model)
+    per_microbatch = 16 * 2 * 8 + 16 * 2 * 4 * 64 * (len(engine.units) - 1)
+    engine.gpu_budget = int((1000 + 2.5 * per_microbatch) / 0.97)
+    engine._peak_source = lambda: 1000 + (engine.in_flight or 1) * per_microbatch  # a GPU where 2 fit
+    trainer.train()
+    assert engine.in_flight == 2  # 4 micro-batches per step, as 2 groups of 2
+    assert_close_params(state_of(ref), state_of(model), ATOL_PARAMS)
+
+
+def test_config_rejects_bad_gpu_budget():
+    from megatrain_hf import MegaTrainConfig
+
+    for bad in ("lots", 0, -5, "0GiB", True):
+        with pytest.raises(ValueError, match=r"max_gpu_memory=.*allowed: None, a positive byte count"):
+            MegaTrainConfig(max_gpu_memory=bad)
+    assert MegaTrainConfig(max_gpu_memory="24GiB").gpu_memory_bytes() == 24 * 2**30
+    assert MegaTrainConfig(max_gpu_memory="1.5 GB").gpu_memory_bytes() == 1_500_000_000

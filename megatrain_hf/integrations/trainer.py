@@ -306,7 +306,12 @@ class MegaTrainPlugin(TrainerCallback):
         accelerator.__dict__["backward"] = backward
         try:
             steps = [functools.partial(training_step, model, batch, group.num_items) for batch in group.batches]
-            return engine.run_layer_major(steps)
+            in_flight = engine.microbatches_in_flight(len(steps))  # max_gpu_memory: fewer at a time
+            engine.in_flight = in_flight
+            results = []
+            for start in range(0, len(steps), in_flight):
+                results.extend(engine.run_layer_major(steps[start : start + in_flight]))
+            return results
         finally:
             if previous is missing:
                 accelerator.__dict__.pop("backward", None)
@@ -350,6 +355,8 @@ class MegaTrainPlugin(TrainerCallback):
             out["megatrain/optimizer_wait_frac"] = stats.optimizer_wait_s / elapsed
             out["megatrain/grad_wait_frac"] = stats.grad_wait_s / elapsed
             out["megatrain/tflops"] = stats.useful_flops / elapsed / 1e12  # 6PT + 12LHST, no recompute
+            if engine.in_flight is not None:
+                out["megatrain/microbatches_in_flight"] = float(engine.in_flight)
             if stats.fetches:
                 out["megatrain/h2d_not_ready_frac"] = stats.fetches_not_ready / stats.fetches
         try:
@@ -365,6 +372,10 @@ class MegaTrainPlugin(TrainerCallback):
         return out
 
     # ------------------------------------------------------------------ callback events
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.engine is not None:
+            self.engine.observe_step()  # max_gpu_memory: the measured peak sizes the next steps' groups
+
     def on_train_end(self, args, state, control, **kwargs):
         self._step_group = None
         if self.engine is not None:
