@@ -95,6 +95,13 @@ class MegaTrainConfig:
     `"auto"`: native when computing on CUDA (falls back to torch, with a warning, if it cannot be
     built), torch on the CPU."""
 
+    host_staging: bool | str = "auto"
+    """Keep a compute-dtype (bf16) copy of the matrix masters in host RAM (2 B/param, refreshed by
+    the update) and send that over the link, or send the fp32 masters and round them to bf16 on
+    the GPU (same bits; no host copy, twice the bytes up the link). `"auto"`: keep the copy unless
+    the host plan does not fit in the RAM available with it but fits without it (logged): 16
+    instead of 18 bytes per trainable parameter, e.g. a 7B full fine-tune in 128 GB."""
+
     max_gpu_memory: str | int | None = None
     """GPU memory budget for this process, e.g. `"24GiB"`, `"20GB"` or a byte count; `None`: no
     budget. The engine caps PyTorch's allocator there (`torch.cuda.set_per_process_memory_fraction`)
@@ -127,6 +134,8 @@ class MegaTrainConfig:
             raise ValueError(
                 f"MegaTrainConfig.host_threads={self.host_threads!r}; allowed: None (all CPUs) or an int >= 1."
             )
+        if self.host_staging not in (True, False, "auto"):
+            raise ValueError(f"MegaTrainConfig.host_staging={self.host_staging!r}; allowed: True, False or 'auto'.")
         if self.chunked_loss not in (True, False, "auto"):
             raise ValueError(f"MegaTrainConfig.chunked_loss={self.chunked_loss!r}; allowed: True, False or 'auto'.")
         if self.loss_chunk_tokens is not None and (

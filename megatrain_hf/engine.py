@@ -152,14 +152,16 @@ class Engine:
         units = locate_units(model)
         self._check_coverage(model, units)
         self._disable_hf_checkpointing(model)
+        staging = config.host_staging is not False
         if config.check_host_memory:
-            self._check_host_memory(units, dtype, device, config)
+            staging = self._check_host_memory(units, dtype, device, config)
         self.store = HostStore(
             list(zip(units.names, units.modules)),
             compute_dtype=dtype,
             device=device,
             pin=config.resolve_pin(device),
             embedding_units=units.embedding_units,
+            staging=staging,
         )
         self.host_threads = config.resolve_host_threads()
         if torch.get_num_threads() < self.host_threads:
@@ -216,20 +218,43 @@ class Engine:
             )
 
     @staticmethod
-    def _check_host_memory(units: Units, dtype: torch.dtype, device: torch.device, config: MegaTrainConfig) -> None:
-        """Raise with the arithmetic before allocating, rather than meet the OOM killer later."""
+    def _check_host_memory(units: Units, dtype: torch.dtype, device: torch.device, config: MegaTrainConfig) -> bool:
+        """Raise with the arithmetic before allocating, rather than meet the OOM killer later.
+
+        Returns whether to keep the host staging copy: with ``host_staging="auto"`` it is dropped
+        when that is what makes the plan fit.
+        """
         from .memory import available_host_bytes, check_host_memory, host_breakdown_for_units
 
-        breakdown = host_breakdown_for_units(
-            list(zip(units.names, units.modules)),
-            compute_dtype=dtype,
-            staging=device.type != "cpu" or dtype != torch.float32,
-            embedding_units=units.embedding_units,
-            optimizer_state=config.replace_adamw,
-        )
         # The model's current tensors are released as they move into the store.
         current = sum(p.numel() * p.element_size() for m in units.modules for p in m.parameters())
-        check_host_memory(sum(breakdown.values()), breakdown, available=available_host_bytes() + current)
+        available = available_host_bytes() + current
+
+        def check(staging: bool) -> None:
+            breakdown = host_breakdown_for_units(
+                list(zip(units.names, units.modules)),
+                compute_dtype=dtype,
+                staging=staging and dtype != torch.float32,
+                embedding_units=units.embedding_units,
+                optimizer_state=config.replace_adamw,
+            )
+            check_host_memory(sum(breakdown.values()), breakdown, available=available)
+
+        if config.host_staging is False:
+            check(False)
+            return False
+        try:
+            check(True)
+            return True
+        except MemoryError:
+            if config.host_staging is True or dtype == torch.float32:
+                raise
+            check(False)  # raises (with the smaller plan's arithmetic) if even that does not fit
+            logger.info(
+                "megatrain: host_staging='auto' drops the bf16 host copy of the weights (2 B/param) so that "
+                "the plan fits this machine's RAM; the fp32 masters are sent and rounded on the GPU"
+            )
+            return False
 
     def _disable_hf_checkpointing(self, model: nn.Module) -> None:
         base = unwrap(model)

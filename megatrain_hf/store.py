@@ -121,8 +121,12 @@ class HostStore:
         device: torch.device,
         pin: bool,
         embedding_units: frozenset[int] = frozenset(),
+        staging: bool = True,
     ) -> None:
         self.compute_dtype = compute_dtype
+        # a host copy in the compute dtype (else the streamer rounds the fp32 masters after the
+        # upload, on the device); never needed for fp32 compute
+        self.staging = staging and compute_dtype != torch.float32
         self.device = device
         self.pin = pin
         self.names = [name for name, _ in units]
@@ -214,7 +218,7 @@ class HostStore:
         return flat
 
     def _allocate(self) -> None:
-        need_staging = self.device.type != "cpu" or self.compute_dtype != torch.float32
+        need_staging = self.staging
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
             sizes = self._sizes[u]

@@ -65,7 +65,8 @@ class Streamer:
         flats: dict[tuple, tuple[torch.Tensor, int]] = {}
         if not self.cuda:
             for owner, key in self._sources[u]:
-                flats[(owner, key)] = self.store.source(owner, key)
+                host, base = self.store.source(owner, key)
+                flats[(owner, key)] = (host if host.dtype == key[1] else host.to(key[1]), base)
             return _Upload(flats, None, self._generation(u))
         with torch.cuda.stream(self.copy_stream):
             for owner, key in self._sources[u]:
@@ -74,6 +75,8 @@ class Streamer:
                 # pinned source + non_blocking: a DMA on the copy stream, overlapping compute
                 dev.copy_(host, non_blocking=True)
                 self.stats.h2d_bytes += host.numel() * host.element_size()
+                if dev.dtype != key[1]:  # no host staging copy: round the fp32 masters here
+                    dev = dev.to(key[1])
                 flats[(owner, key)] = (dev, base)
             ready = torch.cuda.Event()
             ready.record(self.copy_stream)

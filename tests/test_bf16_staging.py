@@ -19,8 +19,9 @@ LOSS_ATOL_BF16 = 1e-4
 PARAM_ATOL_BF16 = 1e-5
 
 
-@pytest.mark.parametrize("optim", ["adamw_torch_fused", "sgd"])
-def test_bf16_staging_matches_autocast(tmp_path, optim):
+@pytest.mark.parametrize("optim, staging", [("adamw_torch_fused", True), ("sgd", True), ("adamw_torch_fused", False)])
+def test_bf16_staging_matches_autocast(tmp_path, optim, staging):
+    """host_staging=False: no bf16 host copy; the fp32 masters are rounded after the "upload"."""
     lr = 2e-3 if optim.startswith("adamw") else 0.05
     ref = tiny_model("llama")
     _, ref_losses = train(ref, training_args(tmp_path / "ref", bf16=True, optim=optim, learning_rate=lr))
@@ -28,11 +29,11 @@ def test_bf16_staging_matches_autocast(tmp_path, optim):
     _, losses = train(
         model,
         training_args(tmp_path / "mt", bf16=True, optim=optim, learning_rate=lr),
-        callbacks=[MegaTrainPlugin(MegaTrainConfig(compute_dtype="auto"))],
+        callbacks=[MegaTrainPlugin(MegaTrainConfig(compute_dtype="auto", host_staging=staging))],
     )
     engine = engine_of(model)
     assert engine.compute_dtype == torch.bfloat16
-    assert engine.store.buffers[1].staging_host is not None
+    assert (engine.store.buffers[1].staging_host is not None) == staging
     assert_close_losses(ref_losses, losses, LOSS_ATOL_BF16)
     assert_close_params(state_of(ref), state_of(model), PARAM_ATOL_BF16)
 

@@ -180,6 +180,32 @@ def test_host_ram_short_raises_before_allocating(monkeypatch):
     assert "forward" not in vars(model.model.layers[0])
 
 
+def test_host_staging_auto_drops_the_copy_when_that_makes_it_fit(monkeypatch, caplog):
+    import megatrain_hf.memory as memory
+    from megatrain_hf.memory import DEFAULT_HEADROOM_BYTES, host_breakdown_for_units
+    from megatrain_hf.adapters import locate_units
+
+    model = tiny_model("llama")
+    units = locate_units(model)
+    tiers = host_breakdown_for_units(list(zip(units.names, units.modules)), compute_dtype=torch.bfloat16)
+    with_staging = sum(tiers.values())
+    current = sum(p.numel() * p.element_size() for p in model.parameters())
+    # RAM for the plan without the staging copy, not with it
+    available = with_staging - tiers["staging"] // 2 + DEFAULT_HEADROOM_BYTES - current
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: available)
+    with caplog.at_level("INFO", logger="megatrain_hf.engine"):
+        engine = attach(model, device="cpu", bf16=True)
+    assert not engine.store.staging and all(b.staging_host is None for b in engine.store.buffers)
+    assert "drops the bf16 host copy" in caplog.text
+    engine.detach()
+    for staging in (True,):  # asked for explicitly: refuse instead
+        with pytest.raises(MemoryError, match="GiB"):
+            attach(tiny_model("llama"), MegaTrainConfig(host_staging=staging), device="cpu", bf16=True)
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 1024)  # not even without it
+    with pytest.raises(MemoryError, match="GiB"):
+        attach(tiny_model("llama"), device="cpu", bf16=True)
+
+
 def test_requires_grad_changed_after_attach(tmp_path):
     from transformers import Trainer
 

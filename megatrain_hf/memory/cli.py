@@ -38,6 +38,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
                         help="head + loss chunk by chunk (the default under plain Trainer; --no-chunked-loss: "
                              "full logits, e.g. Trainer subclasses)")
+    parser.add_argument("--host-staging", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep a bf16 host copy of the matrices (2 B/param); --no-host-staging: send fp32 "
+                             "and round on the GPU (what host_staging='auto' does when RAM is short)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: auto)")
     parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
     parser.add_argument("--host-gib", type=float, default=None,
@@ -58,6 +61,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
             compute_dtype=args.dtype,
             layer_major=args.layer_major,
             chunked_loss=args.chunked_loss,
+            host_staging=args.host_staging,
             loss_chunk_tokens=args.loss_chunk_tokens,
             lora_rank=args.lora_rank,
         )

@@ -345,6 +345,7 @@ def plan_memory(
     layer_major: bool = True,
     chunked_loss: bool = True,
     loss_chunk_tokens: int | None = None,
+    host_staging: bool = True,
     lora_rank: int | None = None,
     lora_targets: Iterable[str] = LORA_TARGETS,
 ) -> MemoryPlan:
@@ -377,6 +378,8 @@ def plan_memory(
     dtype_name = "bf16" if cbytes == 2 else "fp32"
     units = _layout(shape, lora_rank, lora_targets)
     tiers = _host_tiers(units, cbytes)
+    if not host_staging:  # the fp32 masters are sent and rounded on the device
+        tiers["staging"] = 0
 
     trainable = sum(t.numel for u in units for t in u.tensors if t.trainable)
     frozen = sum(t.numel for u in units for t in u.tensors if not t.trainable)

@@ -115,6 +115,22 @@ def test_bf16_parity_layer_major(tmp_path, family, monkeypatch):
     assert_close_updates(init, ref_state, state_of(model), BF16_UPDATE_RTOL)
 
 
+def test_bf16_parity_without_host_staging(tmp_path):
+    """host_staging=False: fp32 masters go up the link and are rounded to bf16 on the GPU."""
+    ref = tiny_model("llama", **SHAPE)
+    init = state_of(ref)
+    _, ref_losses = train(ref, _args(tmp_path / "ref", bf16=True), dataset=_data())
+    model = tiny_model("llama", **SHAPE)
+    _, losses = train(model, _args(tmp_path / "mt", bf16=True), dataset=_data(),
+                      callbacks=[MegaTrainPlugin(host_staging=False)])
+    engine = engine_of(model)
+    assert not engine.store.staging and all(b.staging_host is None for b in engine.store.buffers)
+    ref_state = {n: p.cpu() for n, p in state_of(ref).items()}
+    _report("bf16_parity_no_host_staging_llama", ref_losses, losses, ref_state, state_of(model))
+    assert_close_losses(ref_losses, losses, BF16_LOSS_ATOL)
+    assert_close_updates(init, ref_state, state_of(model), BF16_UPDATE_RTOL)
+
+
 def test_fp32_parity_and_generate(tmp_path):
     ref = tiny_model("llama", **SHAPE)
     init = state_of(ref)
