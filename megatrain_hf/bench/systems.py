@@ -4,7 +4,8 @@ All systems get the same ``TrainingArguments`` (tokens per step, precision, opti
 schedule, activation checkpointing, data order) except what the system itself needs:
 
 - ``megatrain``: stock Trainer + ``MegaTrainPlugin`` (HF checkpointing is requested like
-  everywhere; megatrain turns it off on streamed layers and recomputes per layer itself).
+  everywhere; megatrain turns it off on streamed layers and recomputes per layer itself); its
+  options come from ``MEGATRAIN_CONFIG`` (JSON) when set, the defaults otherwise.
 - ``plain``: stock Trainer; the whole model, grads and AdamW state on the GPU.
 - ``deepspeed``: ZeRO-3 with parameters AND optimizer offloaded to pinned CPU memory, the
   configuration of the HF DeepSpeed guide (ZeRO-3 offload example): DeepSpeed's own AdamW (its
@@ -159,6 +160,9 @@ def _check_megatrain(trainer) -> dict[str, Any]:
     facts = {"engine": type(engine).__name__ if engine is not None else None,
              "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__}
     _require(engine is not None, "a megatrain engine attached to the model", facts)
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    facts.update(config=engine.config.to_dict(), host_staging=engine.store.staging,
+                 chunked_loss=engine.chunked_loss_active, adamw_kernel=getattr(optimizer, "kernel", None))
     return facts
 
 
@@ -212,8 +216,8 @@ def extra_callbacks(system: str) -> list:
     """Callbacks the system itself needs (the megatrain plugin), besides the bench's timer."""
     if system != "megatrain":
         return []
-    try:
-        from megatrain_hf import MegaTrainPlugin
-    except ImportError:  # not re-exported at top level yet: same class, its defining module
-        from megatrain_hf.integrations.trainer import MegaTrainPlugin
-    return [MegaTrainPlugin()]
+    from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
+
+    # MEGATRAIN_CONFIG (JSON, as `megatrain launch` hands it over) sets options, e.g.
+    # MEGATRAIN_CONFIG='{"host_staging": false}' megatrain bench ...
+    return [MegaTrainPlugin(MegaTrainConfig.from_env())]
