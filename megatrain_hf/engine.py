@@ -188,7 +188,7 @@ class Engine:
         hidden = getattr(text_config, "hidden_size", 0) or 0
         self._attn_flops_per_seq = 12.0 * layers * hidden
         self.anchor = torch.zeros((), device=device, requires_grad=True)
-        self._end_queued = False
+        self._end_queued = None  # graph-task id of the pass whose end callback is queued
         self._group: _Group | None = None
         # the chunked head + loss (loss.py): installed at attach, active per config / integration
         self.chunked_loss_active = self.config.chunked_loss is True
@@ -366,14 +366,22 @@ class Engine:
         self._undo.append(lambda: setattr(base, "__class__", cls))
 
     def _at_backward_end(self) -> None:
-        """Once per backward pass: have autograd wait for the gradient sink when the pass ends."""
-        if not self._end_queued:
-            self._end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        """Once per backward pass: have autograd wait for the gradient sink when the pass ends.
+
+        Keyed by autograd's graph-task id: a pass that failed in a node that is not the engine's
+        (autograd then drops the queued callback) is cleaned up when the next pass starts.
+        """
+        task = torch._C._current_graph_task_id()
+        if self._end_queued == task:
+            return
+        if self._end_queued is not None:  # a previous pass never reached its end
+            self._backward_failed()
+        self._end_queued = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_failed(self) -> None:
         """autograd drops queued callbacks when a backward fails: undo what the pass had started."""
-        self._end_queued = False
+        self._end_queued = None  # graph-task id of the pass whose end callback is queued
         self.streamer.drop_prefetched()
         self.grads.drop_held()
         try:
@@ -382,7 +390,7 @@ class Engine:
             logger.exception("gradient accumulation also failed while unwinding a failed backward")
 
     def _backward_done(self) -> None:
-        self._end_queued = False
+        self._end_queued = None  # graph-task id of the pass whose end callback is queued
         self.streamer.drop_prefetched()
         started = time.perf_counter()
         self.grads.wait()  # when backward() returns, every param.grad is complete

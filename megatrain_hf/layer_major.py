@@ -27,6 +27,7 @@ waiting.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -42,10 +43,17 @@ class _Abort(BaseException):
 
 @dataclass
 class _ThreadState:
-    """The torch thread-local state a coroutine or a driver-side call must run under."""
+    """The torch thread-local state a coroutine or a driver-side call must run under.
+
+    Carried over: grad mode, the autocast state of the device type (enabled or not), and the
+    default saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``, e.g.
+    ``save_on_cpu``). Not carried over: the current CUDA stream, torch function modes and
+    inference mode (the streamed calls run on the driver's); see docs/architecture.md.
+    """
 
     grad_enabled: bool
     autocast: tuple[bool, torch.dtype, bool]  # (enabled, dtype, cache_enabled) on the device type
+    saved_hooks: tuple | None  # (pack, unpack) of the innermost saved_tensors_hooks, or None
 
     @classmethod
     def capture(cls, device_type: str) -> "_ThreadState":
@@ -56,6 +64,7 @@ class _ThreadState:
                 torch.get_autocast_dtype(device_type),
                 torch.is_autocast_cache_enabled(),
             ),
+            _saved_tensor_hooks(),
         )
 
     def enter(self, device_type: str):
@@ -64,9 +73,15 @@ class _ThreadState:
         stack = contextlib.ExitStack()
         stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
         enabled, dtype, cache = self.autocast
-        if enabled:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=True, cache_enabled=cache))
+        stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        if self.saved_hooks is not None and _saved_tensor_hooks() != self.saved_hooks:
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*self.saved_hooks))
         return stack
+
+
+def _saved_tensor_hooks() -> tuple | None:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(False) if top is not None else None
 
 
 class Coroutine:
@@ -134,6 +149,8 @@ class Coroutine:
                     raise RuntimeError(f"megatrain: micro-batch thread {self.thread.name} ended without a result")
 
     def abort(self) -> None:
+        if self.thread.ident is None:  # never started (interrupted while starting the others)
+            return
         if self.thread.is_alive() and self.message[0] in ("call", "backward", "new"):
             self.resume("abort", None)
         self.thread.join(timeout=10)
@@ -193,5 +210,13 @@ def run(
             else:
                 return [c.message[1] for c in coroutines]
     finally:
+        # every coroutine is unwound even if one abort is interrupted (a second Ctrl-C); the
+        # exception that ended the group is the one raised
+        failure = None
         for c in coroutines:
-            c.abort()
+            try:
+                c.abort()
+            except BaseException as exc:  # noqa: BLE001 -- keep aborting the others first
+                failure = failure or exc
+        if failure is not None and sys.exc_info()[0] is None:
+            raise failure

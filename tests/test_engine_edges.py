@@ -136,3 +136,28 @@ def test_store_unpins_its_flats_when_collected(monkeypatch):
     del store
     gc.collect()
     assert not live
+
+
+def test_backward_failing_outside_the_engine_does_not_disarm_the_next_one():
+    """autograd drops the end-of-backward callback when a pass fails in a node that is not the
+    engine's; the next pass must still wait for its gradients (keyed by graph task)."""
+    model = tiny_model("gemma", attention_dropout=0.0)  # embedding * normaliser: a plain node between units
+    engine = attach(model, device="cpu")
+    ids = torch.randint(0, 128, (2, 16))
+    fail = [True]
+
+    def hook(module, args, kwargs):
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        if fail[0] and h is not None and h.requires_grad:
+            h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("simulated failure")))
+
+    model.model.layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    fail[0] = False
+    ran = []
+    original = engine._backward_done
+    engine._backward_done = lambda: (ran.append(1), original())
+    model.zero_grad()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert ran and engine._end_queued is None

@@ -287,3 +287,61 @@ def test_config_rejects_bad_gpu_budget():
             MegaTrainConfig(max_gpu_memory=bad)
     assert MegaTrainConfig(max_gpu_memory="24GiB").gpu_memory_bytes() == 24 * 2**30
     assert MegaTrainConfig(max_gpu_memory="1.5 GB").gpu_memory_bytes() == 1_500_000_000
+
+
+# ---------------------------------------------------------------------------------- review findings
+def test_autocast_disabled_inside_a_micro_batch_is_respected():
+    """A micro-batch that turns autocast off keeps fp32 although the caller has it on."""
+    model = tiny_model("llama", attention_dropout=0.0)
+    engine = attach(model, device="cpu")
+    ids = torch.randint(0, 128, (2, 16))
+    dtypes = {}
+
+    def step(k):
+        def fn():
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+                logits = model(input_ids=ids).logits
+            dtypes[k] = logits.dtype
+            engine.backward(logits.float().mean())
+            return 0
+        return fn
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        engine.run_layer_major([step(0), step(1)])
+    assert dtypes == {0: torch.float32, 1: torch.float32}
+
+
+def test_saved_tensor_hooks_apply_to_streamed_checkpoints():
+    """saved_tensors_hooks (e.g. save_on_cpu) active in a micro-batch see the units' checkpoints too."""
+    model = tiny_model("llama", attention_dropout=0.0)
+    engine = attach(model, device="cpu")
+    ids = torch.randint(0, 128, (2, 16))
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+
+    def fn():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        engine.backward(loss / 2)
+        return loss.detach()
+
+    engine.run_layer_major([fn, fn])
+    # 2 decoder layers + final norm + head take (2, 16, 64) hidden states: 4 per micro-batch
+    assert sum(1 for s in packed if s == (2, 16, 64)) >= 8
+
+
+def test_ctrl_c_while_starting_the_coroutines():
+    import signal
+
+    from megatrain_hf import layer_major
+
+    def first():
+        signal.raise_signal(signal.SIGINT)
+        return 0
+
+    with pytest.raises(KeyboardInterrupt):
+        layer_major.run(object(), torch.device("cpu"), [first, lambda: 1, lambda: 2], lambda *a: None, lambda i: None)
+    assert not _microbatch_threads()
