@@ -515,8 +515,6 @@ class Engine:
                 call.dev_rng = torch.cuda.get_rng_state(self.device)
         out, token = _StreamedUnit.apply(self, call, self._anchor_for_call(), x)
         self._ckpt_bytes += x.numel() * x.element_size()  # the checkpoint this call keeps
-        if u == 0:
-            self._ckpt_calls += 1
         group = self._group
         if group is not None and group.current is not None:
             r = group.rounds.get(group.current.index, 0)
@@ -551,10 +549,10 @@ class Engine:
     def _init_budget(self) -> None:
         """``max_gpu_memory``: cap the allocator, and size layer-major groups from measurements."""
         self.gpu_budget = self.config.gpu_memory_bytes()
-        self.in_flight = None  # micro-batches per layer-major group in the last step (None: not grouped)
+        self.in_flight = None  # micro-batches per group in the current step (None: no step seen)
         self._ckpt_bytes = 0  # activation-checkpoint bytes saved by graph calls since the last observation
-        self._ckpt_calls = 0  # embedding calls with a graph since then (= micro-batches)
-        self._observed: tuple[int, int] | None = None  # (peak bytes at in_flight, checkpoint bytes per micro-batch)
+        self._peaks: dict[int, int] = {}  # micro-batches in flight -> GPU peak of the last such step
+        self._per_microbatch = 0  # activation-checkpoint bytes of one micro-batch (measured)
         self._peak_source = None
         if self.gpu_budget is None or self.device.type != "cuda":
             return
@@ -567,28 +565,39 @@ class Engine:
         logger.info("megatrain: GPU memory capped at %.2f GiB (%.1f%% of %s)", self.gpu_budget / 2**30,
                     100 * fraction, torch.cuda.get_device_name(self.device))
 
+    _BUDGET_MARGIN = 0.9  # of the budget, planned for (allocator fragmentation, estimate error)
+
     def microbatches_in_flight(self, k: int) -> int:
-        """How many of a step's ``k`` micro-batches to run per layer-major group under the budget."""
+        """How many of a step's ``k`` micro-batches to run per layer-major group under the budget.
+
+        Step 1 runs one at a time (measured), the next step at most two (a second measurement:
+        the peak's growth per micro-batch, which also covers what grows besides the checkpoints,
+        e.g. full logits without the chunked loss); then as many as the two measurements allow.
+        """
         if self.gpu_budget is None or self._peak_source is None:
             return k
-        if self._observed is None:
-            return 1  # first step: one at a time, measured
-        base, per_microbatch = self._observed
-        if per_microbatch <= 0:
-            return k
-        fits = int((0.97 * self.gpu_budget - base) // per_microbatch)
+        if not self._peaks:
+            return 1
+        low = min(self._peaks)
+        per = self._per_microbatch
+        if len(self._peaks) > 1:
+            high = max(self._peaks)
+            per = max(per, (self._peaks[high] - self._peaks[low]) // (high - low))
+        if per <= 0:
+            return k if len(self._peaks) > 1 else min(k, 2)
+        base = self._peaks[low] - low * per
+        fits = int((self._BUDGET_MARGIN * self.gpu_budget - base) // per)
+        if len(self._peaks) == 1:
+            fits = min(fits, 2)
         return max(1, min(k, fits))
 
-    def observe_step(self) -> None:
-        """After an optimizer step: the GPU peak and checkpoint bytes per micro-batch of that step."""
-        calls, nbytes = self._ckpt_calls, self._ckpt_bytes
-        self._ckpt_bytes = self._ckpt_calls = 0
-        if self._peak_source is None or calls == 0:
+    def observe_step(self, microbatches: int) -> None:
+        """After an optimizer step of ``microbatches``: its GPU peak and checkpoint bytes per micro-batch."""
+        nbytes, self._ckpt_bytes = self._ckpt_bytes, 0
+        if self._peak_source is None or microbatches <= 0:
             return
-        per_microbatch = nbytes // calls
-        in_flight = self.in_flight or 1
-        peak = int(self._peak_source())
-        self._observed = (peak - in_flight * per_microbatch, per_microbatch)
+        self._per_microbatch = max(self._per_microbatch, nbytes // microbatches)
+        self._peaks[self.in_flight or 1] = int(self._peak_source())
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 

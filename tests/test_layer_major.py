@@ -255,10 +255,10 @@ def test_gpu_budget_sizes_the_groups(tmp_path, group_calls, budget, expected):
     engine = engine_of(model)
     engine.gpu_budget, engine._peak_source = budget, lambda: 5_000
     trainer.train()
-    assert group_calls == [1] * 4 + [expected] * (5 * 4 // expected)
+    # step 1 one at a time, step 2 at most two (second measurement), then what fits
+    assert group_calls == [1] * 4 + [min(2, expected)] * (4 // min(2, expected)) + [expected] * (4 * 4 // expected)
     assert engine.in_flight == expected
-    base, per_microbatch = engine._observed
-    assert per_microbatch == sum(  # every graph call's checkpoint: token ids (int64) in, then fp32 hidden states
+    assert engine._per_microbatch == sum(  # every graph call's checkpoint: token ids (int64), then fp32 hidden states
         16 * 2 * (8 if u == 0 else 4 * 64) for u in range(len(engine.units))
     )
 
@@ -272,11 +272,45 @@ def test_gpu_budget_keeps_exactness(tmp_path):
                       callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB")])
     engine = engine_of(model)
     per_microbatch = 16 * 2 * 8 + 16 * 2 * 4 * 64 * (len(engine.units) - 1)
-    engine.gpu_budget = int((1000 + 2.5 * per_microbatch) / 0.97)
+    engine.gpu_budget = int((1000 + 2.5 * per_microbatch) / engine._BUDGET_MARGIN)
     engine._peak_source = lambda: 1000 + (engine.in_flight or 1) * per_microbatch  # a GPU where 2 fit
     trainer.train()
     assert engine.in_flight == 2  # 4 micro-batches per step, as 2 groups of 2
     assert_close_params(state_of(ref), state_of(model), ATOL_PARAMS)
+
+
+def test_gpu_budget_measures_per_microbatch_growth_and_frozen_embeddings(tmp_path, group_calls):
+    """The peak's growth per micro-batch (here 3x the checkpoints: say, full logits) limits the groups,
+    and a LoRA model (frozen embedding: no graph call at unit 0) is measured too."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("llama", attention_dropout=0.0),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    trainer = Trainer(model=model, args=training_args(tmp_path, gradient_accumulation_steps=4),
+                      train_dataset=RandomTokens(), callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB")])
+    engine = engine_of(model)
+    ckpt = 16 * 2 * 4 * 64 * (len(engine.units) - 1)  # per micro-batch; unit 0 (frozen) saves nothing
+    engine.gpu_budget = int((10_000 + 7 * ckpt) / engine._BUDGET_MARGIN)  # fits 2 of the real growth, 6 of the naive
+    engine._peak_source = lambda: 10_000 + 3 * ckpt * (engine.in_flight or 1)
+    trainer.train()
+    assert engine._per_microbatch == ckpt
+    assert group_calls == [1] * 4 + [2] * 2 + [2] * 8
+    assert engine.in_flight == 2
+
+
+def test_gpu_budget_after_a_one_microbatch_step(tmp_path, group_calls):
+    """A step of one micro-batch (the end of an epoch) is measured as one in flight, not as the
+    previous step's group size (which made the next step overshoot)."""
+    model = tiny_model("llama", attention_dropout=0.0)
+    trainer = Trainer(model=model, args=training_args(tmp_path, gradient_accumulation_steps=4, max_steps=-1,
+                                                      num_train_epochs=3),
+                      train_dataset=RandomTokens(n=18),  # 9 micro-batches per epoch: 4, 4, 1
+                      callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB")])
+    engine = engine_of(model)
+    per = 16 * 2 * 8 + 16 * 2 * 4 * 64 * (len(engine.units) - 1)
+    engine.gpu_budget = int((1000 + 2.5 * per) / engine._BUDGET_MARGIN)  # 2 fit, 3 do not
+    engine._peak_source = lambda: 1000 + (engine.in_flight or 1) * per
+    trainer.train()
+    assert max(group_calls) == 2
 
 
 def test_config_rejects_bad_gpu_budget():

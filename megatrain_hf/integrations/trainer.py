@@ -70,6 +70,7 @@ class MegaTrainPlugin(TrainerCallback):
         self._last_log: tuple[float, int] | None = None
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm (HostAdamW)
         self._step_group: _StepGroup | None = None  # the optimizer step's micro-batches (layer-major)
+        self._step_microbatches = 0
         self._logged: set[str] = set()
 
     # ------------------------------------------------------------------ setup
@@ -197,6 +198,8 @@ class MegaTrainPlugin(TrainerCallback):
             # Trainer fetches an optimizer step's micro-batches up front: remember them (layer-major)
             batches, num_items = original_get_batch_samples(epoch_iterator, num_batches, device)
             plugin._step_group = _StepGroup(batches, num_items) if len(batches) > 1 else None
+            plugin._step_microbatches = len(batches)
+            plugin.engine.in_flight = 1  # micro-batch by micro-batch unless a layer-major group runs
             return batches, num_items
 
         def training_step(self, model, inputs, num_items_in_batch=None):
@@ -373,8 +376,8 @@ class MegaTrainPlugin(TrainerCallback):
 
     # ------------------------------------------------------------------ callback events
     def on_step_end(self, args, state, control, **kwargs):
-        if self.engine is not None:
-            self.engine.observe_step()  # max_gpu_memory: the measured peak sizes the next steps' groups
+        if self.engine is not None:  # max_gpu_memory: the measured peak sizes the next steps' groups
+            self.engine.observe_step(self._step_microbatches)
 
     def on_train_end(self, args, state, control, **kwargs):
         self._step_group = None
