@@ -63,9 +63,25 @@ FAMILIES: dict[str, Callable[[nn.Module], Units]] = {
 }
 
 
-def register_family(model_type: str, locate: Callable[[nn.Module], Units] = _locate_decoder_only) -> None:
-    """Declare a model type supported (after checking it trains exactly like plain HF)."""
+CHUNKED_LOSS_FAMILIES: set[str] = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"}
+"""Families whose logits are ``lm_head(hidden)`` followed at most by ``final_logit_softcapping``:
+what the chunked loss (loss.py) reproduces. A family that scales its logits otherwise (Cohere's
+``logit_scale``, Granite's ``logits_scaling``) must not be listed."""
+
+
+def register_family(
+    model_type: str, locate: Callable[[nn.Module], Units] = _locate_decoder_only, chunked_loss: bool = False
+) -> None:
+    """Declare a model type supported (after checking it trains exactly like plain HF).
+
+    ``chunked_loss=True`` only if its logits are ``lm_head(hidden)`` (optionally soft-capped by
+    ``config.final_logit_softcapping``), as the chunked loss computes them.
+    """
     FAMILIES[model_type] = locate
+    if chunked_loss:
+        CHUNKED_LOSS_FAMILIES.add(model_type)
+    else:
+        CHUNKED_LOSS_FAMILIES.discard(model_type)
 
 
 def locate_units(model: nn.Module) -> Units:

@@ -336,6 +336,17 @@ class Engine:
         """Route training forwards with labels through the chunked head + loss (``loss.py``)."""
         if self.config.chunked_loss is False:
             return
+        from .adapters import CHUNKED_LOSS_FAMILIES
+
+        model_type = getattr(getattr(base, "config", None), "model_type", None)
+        if model_type not in CHUNKED_LOSS_FAMILIES:  # its logits may be scaled in ways loss.py does not know
+            if self.config.chunked_loss is True:
+                logger.warning(
+                    "megatrain: chunked_loss=True but model type %r is not known to compute its logits as "
+                    "lm_head(hidden) [+ soft-capping]; the loss is computed from full logits.", model_type
+                )
+            self.chunked_loss_active = False
+            return
         head = self.units[-1].module
         if type(head) is not nn.Linear:  # e.g. a LoRA-wrapped lm_head: keep HF's head and loss
             if self.config.chunked_loss is True:

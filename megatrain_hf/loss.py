@@ -116,8 +116,9 @@ def chunk_tokens(configured: int | None, vocab: int) -> int:
 def chunked_forward(engine: Any, base: torch.nn.Module, original: Callable, chunk: int | None) -> Callable:
     """A replacement for ``base.forward`` that computes the training loss chunk by chunk.
 
-    Used when the module is training, gradients are enabled, ``labels`` are given and no logits are
-    asked for (``logits_to_keep``/positional arguments route to the original forward).
+    Used when the chunked loss is active, the module is training, gradients are enabled and
+    ``labels`` are given as a keyword (positional arguments and ``return_dict=False`` route to
+    the original forward). ``logits_to_keep`` is ignored there: no logits are returned.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 

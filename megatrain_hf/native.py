@@ -27,13 +27,21 @@ SOURCE = Path(__file__).with_name("csrc") / "host_adamw.cpp"
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-std=c++17", "-pthread")
 
 
+_CPU_KEYS = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
+
+
 def _cpu_tag() -> str:
+    """What ``-march=native`` depends on: the first core's model and feature lines (x86 and ARM)."""
+    seen: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key in _CPU_KEYS and key not in seen:
+                    seen[key] = line.strip()
     except OSError:
-        lines = []
-    return platform.machine() + "".join(lines)
+        pass
+    return platform.machine() + platform.processor() + "".join(seen[k] for k in sorted(seen))
 
 
 def _cache_dir() -> Path:

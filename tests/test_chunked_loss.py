@@ -125,3 +125,16 @@ def test_config_rejects_bad_chunk(bad):
         MegaTrainConfig(loss_chunk_tokens=bad)
     with pytest.raises(ValueError, match=r"chunked_loss='yes'; allowed: True, False or 'auto'"):
         MegaTrainConfig(chunked_loss="yes")
+
+
+def test_unknown_logit_post_processing_keeps_hf_loss(monkeypatch, caplog):
+    """A family not known to compute logits as lm_head(hidden) [+ soft-capping] keeps HF's loss
+    (register_family(..., chunked_loss=False) is the default for new families)."""
+    from megatrain_hf import adapters
+
+    monkeypatch.setattr(adapters, "CHUNKED_LOSS_FAMILIES", adapters.CHUNKED_LOSS_FAMILIES - {"llama"})
+    model = tiny_model("llama")
+    with caplog.at_level("WARNING", logger="megatrain_hf.engine"):
+        engine = attach(model, MegaTrainConfig(chunked_loss=True), device="cpu")
+    assert not engine.chunked_loss_active and "not known to compute its logits" in caplog.text
+    assert model(**_batch()).logits is not None
