@@ -57,7 +57,7 @@ def test_failed_backward_does_not_poison_the_next_one():
     with pytest.raises(RuntimeError, match="injected failure"):
         _loss(model).backward()
     engine._recompute_backward = original
-    assert engine._end_queued is False
+    assert engine._end_queued is None
     model.zero_grad()
     _loss(model).backward()  # a clean pass afterwards gives the plain gradients
     ref = tiny_model("llama")
