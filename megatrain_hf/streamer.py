@@ -42,6 +42,7 @@ class Streamer:
         # The unit fetched last stays on the device until another is fetched: the next micro-batch
         # of a layer-major round, or the backward right after the head's forward, reuse it.
         self._resident: tuple[int, _Upload] | None = None
+        self._stalls: list[tuple] = []  # (event before, event after) around waits that could stall
         self._buffers_dev: dict[tuple[int, str], torch.Tensor] = {}
         for u, entries in enumerate(store.entries):
             for e in entries:
@@ -98,10 +99,18 @@ class Streamer:
             self._resident = (u, upload)
         self.stats.fetches += 1
         if upload.ready is not None:
-            if not upload.ready.query():
-                self.stats.fetches_not_ready += 1  # the compute stream will wait for this upload
             compute = torch.cuda.current_stream(self.device)
-            compute.wait_event(upload.ready)  # compute reads the weights only once they landed
+            if upload.ready.query():
+                compute.wait_event(upload.ready)  # (already complete: no stall)
+            else:
+                # the compute stream may stall on this upload: time the stall with two events
+                self.stats.fetches_not_ready += 1
+                before = torch.cuda.Event(enable_timing=True)
+                before.record(compute)
+                compute.wait_event(upload.ready)  # compute reads the weights only once they landed
+                after = torch.cuda.Event(enable_timing=True)
+                after.record(compute)
+                self._stalls.append((before, after))
             for dev, _ in upload.flats.values():
                 dev.record_stream(compute)  # allocated on the copy stream, freed after compute
         tensors: dict[str, torch.Tensor] = {}
@@ -113,6 +122,19 @@ class Streamer:
             start = e.offset - base
             tensors[e.name] = flat_dev[start : start + e.numel].view(e.shape)
         return tensors
+
+    def exposed_wait_s(self) -> float:
+        """Seconds the compute stream waited for uploads since the last call (exposed H2D time).
+
+        Measured by events around each wait whose upload had not landed when it was queued; read
+        when the work is done (the integration calls it at log time, after the step).
+        """
+        stalls, self._stalls = self._stalls, []
+        total = 0.0
+        for before, after in stalls:
+            after.synchronize()
+            total += before.elapsed_time(after) / 1e3
+        return total
 
     def drop_prefetched(self) -> None:
         """Forget uploads not consumed yet and the resident unit (end of a pass, an aborted pass)."""

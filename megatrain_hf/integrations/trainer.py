@@ -362,6 +362,8 @@ class MegaTrainPlugin(TrainerCallback):
                 out["megatrain/microbatches_in_flight"] = float(engine.in_flight)
             if stats.fetches:
                 out["megatrain/h2d_not_ready_frac"] = stats.fetches_not_ready / stats.fetches
+            if engine.device.type == "cuda":  # compute stream stalled on uploads (events), exposed H2D
+                out["megatrain/h2d_wait_frac"] = engine.streamer.exposed_wait_s() / elapsed
         try:
             import psutil
 
