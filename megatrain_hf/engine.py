@@ -83,6 +83,7 @@ class EngineStats:
     useful_flops: float = 0.0  # 6 * P * tokens + 12 * layers * hidden * seq * tokens (no recompute)
     optimizer_wait_s: float = 0.0  # training thread blocked on a background HostAdamW update
     grad_wait_s: float = 0.0  # end of backward blocked on the last gradient accumulations
+    d2h_busy_s: float = 0.0  # grad stream time spent copying gradients down (CUDA events)
     fetches: int = 0  # unit weight fetches
     uploads: int = 0  # ... that had to upload the unit (the others reused the copy on the device)
     fetches_not_ready: int = 0  # ... whose upload had not landed when the compute needed it
@@ -90,7 +91,7 @@ class EngineStats:
     def reset(self) -> None:
         self.forward_units = self.backward_units = self.h2d_bytes = self.d2h_bytes = self.tokens = 0
         self.fetches = self.fetches_not_ready = self.uploads = 0
-        self.useful_flops = self.optimizer_wait_s = self.grad_wait_s = 0.0
+        self.useful_flops = self.optimizer_wait_s = self.grad_wait_s = self.d2h_busy_s = 0.0
 
 
 @dataclass

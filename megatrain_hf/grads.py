@@ -178,6 +178,8 @@ class GradSink:
             norms_host = torch.empty(norms.shape, dtype=torch.float32, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # grads are ready there
         with torch.cuda.stream(self.stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)  # when the grad stream begins this unit's copies
             for e, g in local:
                 if direct:
                     dst = grad_host[e.offset : e.offset + e.numel]
@@ -189,14 +191,14 @@ class GradSink:
                 self.stats.d2h_bytes += e.numel * 4
             if norms_host is not None:
                 norms_host.copy_(norms, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
         with self._cond:
             self._pending += 1
         self.norms[u] = None
         # local (and norms) stay referenced until the worker saw the copies end: the caching
         # allocator must not hand their memory to the compute stream while the grad stream reads it
-        self._jobs.put((u, slab, done, local, (norms_host, norms) if norms_host is not None else want_norm))
+        self._jobs.put((u, slab, (start, done), local, (norms_host, norms) if norms_host is not None else want_norm))
 
     @staticmethod
     def _merge_foreign(local: list, pending: list) -> list:
@@ -239,9 +241,10 @@ class GradSink:
 
     # ------------------------------------------------------------------ worker
     def _process(self, job) -> None:
-        u, slab, done, local, want_norm = job
+        u, slab, (start, done), local, want_norm = job
         try:
             done.synchronize()
+            self.stats.d2h_busy_s += start.elapsed_time(done) / 1e3  # grad stream busy: effective D2H rate
             n_lp = self.store.buffers[u].n_lp
             grad_host = self.store.buffers[u].grad_host
             for e, _ in local:
