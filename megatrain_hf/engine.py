@@ -566,13 +566,16 @@ class Engine:
         self._peaks: dict[int, int] = {}  # micro-batches in flight -> GPU peak of the last such step
         self._per_microbatch = 0  # activation-checkpoint bytes of one micro-batch (measured)
         self._peak_source = None
+        # the largest peaks seen before each reset of the statistics (reset per measured step)
+        self.max_peak_allocated = self.max_peak_reserved = 0
         if self.gpu_budget is None or self.device.type != "cuda":
             return
         total = torch.cuda.get_device_properties(self.device).total_memory
         fraction = min(1.0, self.gpu_budget / total)
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
         self._undo.append(lambda: torch.cuda.set_per_process_memory_fraction(1.0, self.device))
-        self._peak_source = lambda: torch.cuda.max_memory_allocated(self.device)
+        # reserved, not allocated: the cap applies to what the caching allocator holds
+        self._peak_source = lambda: torch.cuda.max_memory_reserved(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         logger.info("megatrain: GPU memory capped at %.2f GiB (%.1f%% of %s)", self.gpu_budget / 2**30,
                     100 * fraction, torch.cuda.get_device_name(self.device))
@@ -606,11 +609,13 @@ class Engine:
     def observe_step(self, microbatches: int) -> None:
         """After an optimizer step of ``microbatches``: its GPU peak and checkpoint bytes per micro-batch."""
         nbytes, self._ckpt_bytes = self._ckpt_bytes, 0
-        if self._peak_source is None or microbatches <= 0:
-            return
+        if self._peak_source is None or microbatches <= 0 or len(self._peaks) >= 2:
+            return  # two group sizes measured: the plan is set, peak statistics are left alone
         self._per_microbatch = max(self._per_microbatch, nbytes // microbatches)
         self._peaks[self.in_flight or 1] = int(self._peak_source())
         if self.device.type == "cuda":
+            self.max_peak_allocated = max(self.max_peak_allocated, torch.cuda.max_memory_allocated(self.device))
+            self.max_peak_reserved = max(self.max_peak_reserved, torch.cuda.max_memory_reserved(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
 
     # ------------------------------------------------------------------ layer-major accumulation

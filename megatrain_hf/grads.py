@@ -170,12 +170,28 @@ class GradSink:
         slab = None if direct else self._take_slab()
         grad_host = self.store.buffers[u].grad_host
         n_lp = self.store.buffers[u].n_lp
-        norms_host = None
+        norms_host = norms = None
         if direct and want_norm and local:
             # These are the step's whole gradients: their norms (fp32, as of the fp32 .grad that
             # plain training clips) come from the GPU, and the host never reads them again.
             norms = torch.stack(torch._foreach_norm([g for _, g in local], 2, dtype=torch.float32))
             norms_host = torch.empty(norms.shape, dtype=torch.float32, pin_memory=True)
+        try:
+            start, done = self._copy_down(local, direct, slab, grad_host, n_lp, norms_host, norms)
+        except BaseException:
+            if slab is not None:  # e.g. out of memory in the fp32 cast: the pool must not shrink
+                self.stream.synchronize()
+                self._free.put(slab)
+            raise
+        with self._cond:
+            self._pending += 1
+        self.norms[u] = None
+        # local (and norms) stay referenced until the worker saw the copies end: the caching
+        # allocator must not hand their memory to the compute stream while the grad stream reads it
+        self._jobs.put((u, slab, (start, done), local, (norms_host, norms) if norms_host is not None else want_norm))
+
+    def _copy_down(self, local, direct: bool, slab, grad_host, n_lp: int, norms_host, norms):
+        """Queue the device-to-host copies of one unit on the grad stream; (start, done) events."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # grads are ready there
         with torch.cuda.stream(self.stream):
             start = torch.cuda.Event(enable_timing=True)
@@ -193,12 +209,7 @@ class GradSink:
                 norms_host.copy_(norms, non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
-        with self._cond:
-            self._pending += 1
-        self.norms[u] = None
-        # local (and norms) stay referenced until the worker saw the copies end: the caching
-        # allocator must not hand their memory to the compute stream while the grad stream reads it
-        self._jobs.put((u, slab, (start, done), local, (norms_host, norms) if norms_host is not None else want_norm))
+        return start, done
 
     @staticmethod
     def _merge_foreign(local: list, pending: list) -> list:

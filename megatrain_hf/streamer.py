@@ -43,6 +43,7 @@ class Streamer:
         # of a layer-major round, or the backward right after the head's forward, reuse it.
         self._resident: tuple[int, _Upload] | None = None
         self._stalls: list[tuple] = []  # (event before, event after) around waits that could stall
+        self._stalled_s = 0.0  # stall time of pairs already folded (completed)
         self._buffers_dev: dict[tuple[int, str], torch.Tensor] = {}
         for u, entries in enumerate(store.entries):
             for e in entries:
@@ -111,6 +112,7 @@ class Streamer:
                 after = torch.cuda.Event(enable_timing=True)
                 after.record(compute)
                 self._stalls.append((before, after))
+                self._fold_stalls()
             for dev, _ in upload.flats.values():
                 dev.record_stream(compute)  # allocated on the copy stream, freed after compute
         tensors: dict[str, torch.Tensor] = {}
@@ -130,11 +132,18 @@ class Streamer:
         when the work is done (the integration calls it at log time, after the step).
         """
         stalls, self._stalls = self._stalls, []
-        total = 0.0
+        total, self._stalled_s = self._stalled_s, 0.0
         for before, after in stalls:
             after.synchronize()
             total += before.elapsed_time(after) / 1e3
         return total
+
+    def _fold_stalls(self, keep: int = 256) -> None:
+        """Sum completed pairs so the list stays short when nobody reads the metric (own loops, eval)."""
+        while self._stalls and (len(self._stalls) > keep or self._stalls[0][1].query()):
+            before, after = self._stalls.pop(0)
+            after.synchronize()  # a no-op when query() said done; otherwise only past the cap
+            self._stalled_s += before.elapsed_time(after) / 1e3
 
     def drop_prefetched(self) -> None:
         """Forget uploads not consumed yet and the resident unit (end of a pass, an aborted pass)."""

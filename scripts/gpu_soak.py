@@ -6,7 +6,7 @@ reserved, the number of threads and open file descriptors; the JSON says whether
 flat between ``--from-step`` and the end (within the stated tolerances) and exits 1 if not.
 
     python scripts/gpu_soak.py --model llama-1.36b --layers 8 --seq-len 1024 --micro-batch 4 \
-        --grad-accum 2 --steps 500 --save-steps 250 --out soak.json           # on the H200
+        --grad-accum 2 --steps 500 --save-steps 250 --from-step 300 --out soak.json   # on the H200
     python scripts/gpu_soak.py --model tiny --device cpu --dtype fp32 --steps 60 --every 10 \
         --from-step 20 --save-steps 30 --out soak.json                          # smoke test
 """
@@ -33,8 +33,8 @@ GPU_GROWTH_MIB = 16  # allowed growth of the GPU bytes allocated at a step's end
 
 
 class Sampler(TrainerCallback):
-    def __init__(self, every: int, cuda: bool) -> None:
-        self.every, self.cuda, self.samples = every, cuda, {}
+    def __init__(self, every: int, cuda: bool, out: str) -> None:
+        self.every, self.cuda, self.samples, self.out = every, cuda, {}, out
         self.process = psutil.Process()
         self.started = time.perf_counter()
 
@@ -54,8 +54,10 @@ class Sampler(TrainerCallback):
             torch.cuda.synchronize()
             sample["gpu_allocated_mib"] = torch.cuda.memory_allocated() / 2**20
             sample["gpu_reserved_mib"] = torch.cuda.memory_reserved() / 2**20
-            sample["gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+            sample["gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20  # no budget here: never reset
         self.samples[state.global_step] = sample
+        with open(self.out, "w") as f:  # partial results survive a killed run
+            json.dump({"ok": None, "partial": True, "samples": self.samples}, f, indent=1)
 
 
 def _ours(threads: list[str]) -> list[str]:
@@ -71,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--every", type=int, default=50, help="sample every N optimizer steps")
-    p.add_argument("--from-step", type=int, default=100, help="growth is measured from this sample on")
+    p.add_argument("--from-step", type=int, default=300,
+                   help="growth is measured from this sample on (after the first checkpoint save: saving "
+                        "builds each shard's bytes once, which the allocator may keep)")
     p.add_argument("--save-steps", type=int, default=250, help="checkpoint every N steps (save_total_limit 1)")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(shape, args.seq_len, seed=0)
     params = sum(x.numel() for x in model.parameters())
     n = args.steps * args.grad_accum * args.micro_batch
-    sampler = Sampler(args.every, cuda)
+    sampler = Sampler(args.every, cuda, args.out)
     with tempfile.TemporaryDirectory(prefix="megatrain-soak-") as out_dir:
         targs = TrainingArguments(
             output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.micro_batch,

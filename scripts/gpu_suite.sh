@@ -2,6 +2,7 @@
 # One call on the GPU machine: GPU tests, then training/benchmark runs; everything lands in
 # $OUT/results.tar.gz (+ summary.txt), since only a few files come back.
 #   STAGES="tests train1b" bash scripts/gpu_suite.sh
+# One device call runs at most 600 s: "tests" (~100 s) and "soak" (~400 s) fit together, not with a bench.
 set -u
 OUT=${OUT:-/tmp/out}
 R=/tmp/megatrain_results
@@ -31,7 +32,7 @@ for stage in $STAGES; do
         summary "train1b $sys rc=$? $(tail -1 "$R/train1b_$sys.log" | cut -c1-400)"
       done;;
     soak)
-      timeout 540 python3 scripts/gpu_soak.py ${SOAK_ARGS:---model llama-1.36b --layers 8 --seq-len 1024 --micro-batch 4 --grad-accum 2 --steps 500 --save-steps 250} --out "$R/soak.json" > "$R/soak.log" 2>&1
+      timeout 450 python3 scripts/gpu_soak.py ${SOAK_ARGS:---model llama-1.36b --layers 8 --seq-len 1024 --micro-batch 4 --grad-accum 2 --steps 500 --save-steps 250 --from-step 300} --out "$R/soak.json" > "$R/soak.log" 2>&1
       summary "soak rc=$? $(tail -1 "$R/soak.log" | cut -c1-600)";;
     bench*)
       # BENCH_ARGS_<stage> holds the arguments, e.g. BENCH_ARGS_bench3b="--model llama-3.14b ..."

@@ -372,8 +372,9 @@ class MegaTrainPlugin(TrainerCallback):
             out["megatrain/host_rss_GiB"] = psutil.Process().memory_info().rss / 2**30
         except ImportError:  # psutil is a dependency; keep metrics best-effort anyway
             pass
-        if engine.device.type == "cuda":
-            out["megatrain/gpu_peak_GiB"] = torch.cuda.max_memory_allocated(engine.device) / 2**30
+        if engine.device.type == "cuda":  # max_gpu_memory resets the statistics while it measures
+            peak = max(torch.cuda.max_memory_allocated(engine.device), engine.max_peak_allocated)
+            out["megatrain/gpu_peak_GiB"] = peak / 2**30
         stats.reset()
         self._last_log = (now, 0)
         return out
