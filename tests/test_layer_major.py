@@ -379,3 +379,36 @@ def test_ctrl_c_while_starting_the_coroutines():
     with pytest.raises(KeyboardInterrupt):
         layer_major.run(object(), torch.device("cpu"), [first, lambda: 1, lambda: 2], lambda *a: None, lambda i: None)
     assert not _microbatch_threads()
+
+
+def test_trl_sft_trainer_layer_major(tmp_path, group_calls):
+    """TRL's SFTTrainer (a Trainer subclass that reads the logits for its metrics): layer-major
+    accumulation, HF's full-logits loss (the chunked loss stays off for subclasses), same losses and
+    parameters as SFTTrainer without megatrain."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    data = RandomTokens(n=24)
+    dataset = datasets.Dataset.from_dict({"input_ids": [data[i]["input_ids"].tolist() for i in range(24)]})
+    vocab = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=vocab, pad_token="[PAD]", eos_token="[PAD]", unk_token="[UNK]")
+
+    def run(out, callbacks):
+        model = tiny_model("llama", attention_dropout=0.0)
+        config = trl.SFTConfig(output_dir=str(out), max_steps=3, per_device_train_batch_size=2,
+                               gradient_accumulation_steps=3, learning_rate=2e-3, report_to=[], use_cpu=True,
+                               logging_steps=1, disable_tqdm=True, save_strategy="no", seed=0, data_seed=0,
+                               dataset_kwargs={"skip_prepare_dataset": True})
+        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                                 callbacks=callbacks)
+        trainer.train()
+        return trainer, model, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    _, ref, ref_losses = run(tmp_path / "ref", [])
+    trainer, model, losses = run(tmp_path / "mt", [MegaTrainPlugin()])
+    assert group_calls == [3, 3, 3] and not engine_of(model).chunked_loss_active
+    assert "mean_token_accuracy" in trainer.state.log_history[0]  # TRL's metrics from the logits
+    assert_close_losses(ref_losses, losses, ATOL)
+    assert_close_params(state_of(ref), state_of(model), ATOL_PARAMS)
