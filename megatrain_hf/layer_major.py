@@ -218,5 +218,11 @@ def run(
                 c.abort()
             except BaseException as exc:  # noqa: BLE001 -- keep aborting the others first
                 failure = failure or exc
+        for c in coroutines:  # an interrupted join: the thread is unwinding, wait for it once more
+            if c.thread.ident is not None and c.thread.is_alive():
+                try:
+                    c.thread.join(timeout=10)
+                except BaseException as exc:  # noqa: BLE001
+                    failure = failure or exc
         if failure is not None and sys.exc_info()[0] is None:
             raise failure
