@@ -20,12 +20,11 @@ The data: the Python standard library's source, read with `datasets`, cut into b
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
 import torch
-from common import group_texts, load_stdlib_text, n_params, quiet, tiny_llama, train_tokenizer, use_cuda
+from common import example_parser, group_texts, load_stdlib_text, n_params, quiet, tiny_llama, train_tokenizer, use_cuda
 from torch.utils.data import DataLoader
 from transformers import get_cosine_schedule_with_warmup
 
@@ -33,19 +32,12 @@ from megatrain_hf import HostAdamW, MegaTrainAccelerator, engine_of
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default="out/accelerate_loop")
-    parser.add_argument("--max_steps", type=int, default=20, help="optimizer steps")
+    parser = example_parser(__doc__, "out/accelerate_loop", max_steps=20, learning_rate=3e-3)
     parser.add_argument("--grad_accum", type=int, default=2)
-    parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=128)
-    parser.add_argument("--learning_rate", type=float, default=3e-3)
     parser.add_argument("--log_every", type=int, default=5, help="print the loss every N optimizer steps")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--host_adamw", action="store_true", help="megatrain's HostAdamW instead of torch.optim.AdamW")
     parser.add_argument("--no_save", action="store_true", help="do not save the final model")
-    parser.add_argument("--smoke", action="store_true", help="tiny data and model, a few steps (CI)")
     args = parser.parse_args()
     if args.smoke:
         args.max_steps, args.log_every, args.batch_size = 4, 1, 4

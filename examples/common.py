@@ -12,6 +12,7 @@ on `sys.path`, so `python examples/sft_trainer.py` finds it from any working dir
 
 from __future__ import annotations
 
+import argparse
 import ast
 import glob
 import logging
@@ -25,6 +26,19 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 EOS = "<eos>"
+
+
+def example_parser(doc: str, output_dir: str, *, max_steps: int, learning_rate: float) -> argparse.ArgumentParser:
+    """The options every training example shares (where, how long, batch, lr, model size, --smoke)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--output_dir", default=output_dir)
+    parser.add_argument("--max_steps", type=int, default=max_steps, help="optimizer steps")
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--learning_rate", type=float, default=learning_rate)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="tiny data and model, a few steps (CI)")
+    return parser
 
 
 def quiet() -> None:

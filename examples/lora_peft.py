@@ -21,12 +21,11 @@ and reload from `path` in step 4.
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import torch
-from common import group_texts, load_stdlib_text, n_params, quiet, tiny_llama, train_tokenizer, use_cuda
+from common import example_parser, group_texts, load_stdlib_text, n_params, quiet, tiny_llama, train_tokenizer, use_cuda
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
@@ -34,17 +33,10 @@ from megatrain_hf import MegaTrainPlugin
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default="out/lora_peft")
-    parser.add_argument("--max_steps", type=int, default=100)
+    parser = example_parser(__doc__, "out/lora_peft", max_steps=100, learning_rate=3e-3)
     parser.add_argument("--logging_steps", type=int, default=20)
-    parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--seq_len", type=int, default=128)
-    parser.add_argument("--learning_rate", type=float, default=3e-3)
     parser.add_argument("--lora_r", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--smoke", action="store_true", help="tiny data and model, a few steps (CI)")
     args = parser.parse_args()
     if args.smoke:
         args.max_steps, args.logging_steps, args.batch_size = 4, 2, 4

@@ -17,14 +17,13 @@ With a real model, replace `train_tokenizer` / `tiny_llama` with
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import evaluate
 import numpy as np
 import torch
-from common import docstring_pairs, load_stdlib_text, n_params, quiet, tiny_llama, train_tokenizer, use_cuda
+from common import docstring_pairs, example_parser, load_stdlib_text, n_params, quiet, tiny_llama, train_tokenizer, use_cuda
 from transformers import Trainer, TrainingArguments
 
 from megatrain_hf import MegaTrainPlugin
@@ -65,18 +64,11 @@ class PadCollator:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default="out/sft_trainer")
-    parser.add_argument("--max_steps", type=int, default=100)
+    parser = example_parser(__doc__, "out/sft_trainer", max_steps=100, learning_rate=2e-3)
     parser.add_argument("--eval_steps", type=int, default=25)
     parser.add_argument("--logging_steps", type=int, default=10)
-    parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--grad_accum", type=int, default=1)
-    parser.add_argument("--learning_rate", type=float, default=2e-3)
     parser.add_argument("--max_len", type=int, default=192, help="tokens per prompt + completion (truncated)")
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--smoke", action="store_true", help="tiny data and model, a few steps (CI)")
     args = parser.parse_args()
     if args.smoke:
         args.max_steps, args.eval_steps, args.logging_steps = 6, 3, 2

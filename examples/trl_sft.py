@@ -16,27 +16,19 @@ which megatrain's install already brings).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
-from common import docstring_pairs, load_stdlib_text, n_params, quiet, tiny_llama, train_tokenizer, use_cuda
+from common import docstring_pairs, example_parser, load_stdlib_text, n_params, quiet, tiny_llama, train_tokenizer, use_cuda
 
 from megatrain_hf import MegaTrainPlugin, engine_of
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output_dir", default="out/trl_sft")
-    parser.add_argument("--max_steps", type=int, default=100)
+    parser = example_parser(__doc__, "out/trl_sft", max_steps=100, learning_rate=2e-3)
     parser.add_argument("--eval_steps", type=int, default=50)
     parser.add_argument("--logging_steps", type=int, default=10)
-    parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--learning_rate", type=float, default=2e-3)
     parser.add_argument("--max_length", type=int, default=192)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--smoke", action="store_true", help="tiny data and model, a few steps (CI)")
     args = parser.parse_args()
     if args.smoke:
         args.max_steps, args.eval_steps, args.logging_steps = 4, 4, 2

@@ -105,8 +105,7 @@ class GradSink:
 
     def drop_held(self) -> None:
         """Forget device sums of a group whose backward failed (nothing of it reaches the host)."""
-        if self._held:
-            self._held = {}
+        self._held = {}
 
     def _hold(self, u: int, entries: list[Entry], grads: list[torch.Tensor | None]) -> None:
         """Group mode: add unit ``u``'s gradients into fp32 device sums; send an owner's when complete.

@@ -26,6 +26,7 @@ waiting.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
@@ -68,8 +69,6 @@ class _ThreadState:
         )
 
     def enter(self, device_type: str):
-        import contextlib
-
         stack = contextlib.ExitStack()
         stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
         enabled, dtype, cache = self.autocast

@@ -218,7 +218,6 @@ class HostStore:
         return flat
 
     def _allocate(self) -> None:
-        need_staging = self.staging
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
             sizes = self._sizes[u]
@@ -227,7 +226,7 @@ class HostStore:
                 bufs.grad_host = self.allocate(sizes["n_train"], torch.float32)
                 bufs.grad_host.zero_()
                 bufs.n_lp = sizes["n_lp"]
-                if need_staging and bufs.n_lp:
+                if self.staging and bufs.n_lp:
                     bufs.staging_host = self.allocate(bufs.n_lp, self.compute_dtype)
             for dtype, n in sizes["frozen"].items():
                 bufs.frozen_host[dtype] = self.allocate(n, dtype)

@@ -16,6 +16,7 @@ changed is dropped (``store.generation``).
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
@@ -42,7 +43,7 @@ class Streamer:
         # The unit fetched last stays on the device until another is fetched: the next micro-batch
         # of a layer-major round, or the backward right after the head's forward, reuse it.
         self._resident: tuple[int, _Upload] | None = None
-        self._stalls: list[tuple] = []  # (event before, event after) around waits that could stall
+        self._stalls: collections.deque = collections.deque()  # (event before, event after) around waits
         self._stalled_s = 0.0  # stall time of pairs already folded (completed)
         self._buffers_dev: dict[tuple[int, str], torch.Tensor] = {}
         for u, entries in enumerate(store.entries):
@@ -89,13 +90,13 @@ class Streamer:
             self._inflight[u] = self._issue(u)
 
     def fetch(self, u: int) -> dict[str, torch.Tensor]:
-        resident = self._resident
-        if resident is not None and resident[0] == u and resident[1].generation == self._generation(u):
+        resident, generation = self._resident, self._generation(u)
+        if resident is not None and resident[0] == u and resident[1].generation == generation:
             upload = resident[1]
         else:
             self._resident = None  # release it before the next upload lands
             upload = self._inflight.pop(u, None)
-            if upload is None or upload.generation != self._generation(u):
+            if upload is None or upload.generation != generation:
                 upload = self._issue(u)
             self._resident = (u, upload)
         self.stats.fetches += 1
@@ -131,7 +132,7 @@ class Streamer:
         Measured by events around each wait whose upload had not landed when it was queued; read
         when the work is done (the integration calls it at log time, after the step).
         """
-        stalls, self._stalls = self._stalls, []
+        stalls, self._stalls = self._stalls, collections.deque()
         total, self._stalled_s = self._stalled_s, 0.0
         for before, after in stalls:
             after.synchronize()
@@ -141,7 +142,7 @@ class Streamer:
     def _fold_stalls(self, keep: int = 256) -> None:
         """Sum completed pairs so the list stays short when nobody reads the metric (own loops, eval)."""
         while self._stalls and (len(self._stalls) > keep or self._stalls[0][1].query()):
-            before, after = self._stalls.pop(0)
+            before, after = self._stalls.popleft()
             after.synchronize()  # a no-op when query() said done; otherwise only past the cap
             self._stalled_s += before.elapsed_time(after) / 1e3
 
