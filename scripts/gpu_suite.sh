@@ -9,6 +9,10 @@ R=/tmp/megatrain_results
 mkdir -p "$R" "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 STAGES=${STAGES:-"tests train1b"}
+# Every stage's timeout is cut to what is left of the call (BUDGET_S, default 585 s of the 600 s
+# limit), so the results of the stages that ran are packed before the device call is killed.
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-585} ))
+left() { local l=$(( DEADLINE - $(date +%s) - 10 )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
 summary() { echo "$*" | tee -a "$R/summary.txt"; }
 summary "commit ${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ) stages: $STAGES"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$R/summary.txt" 2>&1
@@ -24,21 +28,21 @@ for stage in $STAGES; do
       python3 scripts/host_probe.py > "$R/probe.log" 2>&1
       summary "probe rc=$? $(cat "$R/probe.log" | tail -12)";;
     tests)
-      MEGATRAIN_GPU_REPORT=$R/gpu_parity.jsonl timeout 420 python3 -m pytest -m gpu tests/gpu -q -rs > "$R/gpu_tests.log" 2>&1
+      MEGATRAIN_GPU_REPORT=$R/gpu_parity.jsonl timeout $(left 420) python3 -m pytest -m gpu tests/gpu -q -rs > "$R/gpu_tests.log" 2>&1
       summary "tests rc=$? $(tail -1 "$R/gpu_tests.log")";;
     train1b)
       for sys in ${TRAIN1B_SYSTEMS:-megatrain plain}; do
-        timeout 300 python3 scripts/gpu_train.py --system $sys --steps 20 --checkpointing --out "$R/train1b_$sys.json" > "$R/train1b_$sys.log" 2>&1
+        timeout $(left 300) python3 scripts/gpu_train.py --system $sys --steps 20 --checkpointing --out "$R/train1b_$sys.json" > "$R/train1b_$sys.log" 2>&1
         summary "train1b $sys rc=$? $(tail -1 "$R/train1b_$sys.log" | cut -c1-400)"
       done;;
     soak)
-      timeout 450 python3 scripts/gpu_soak.py ${SOAK_ARGS:---model llama-1.36b --layers 8 --seq-len 1024 --micro-batch 4 --grad-accum 2 --steps 500 --save-steps 250 --from-step 300} --out "$R/soak.json" > "$R/soak.log" 2>&1
+      timeout $(left 450) python3 scripts/gpu_soak.py ${SOAK_ARGS:---model llama-1.36b --layers 8 --seq-len 1024 --micro-batch 4 --grad-accum 2 --steps 500 --save-steps 250 --from-step 300} --out "$R/soak.json" > "$R/soak.log" 2>&1
       summary "soak rc=$? $(tail -1 "$R/soak.log" | cut -c1-600)";;
     bench*)
       # BENCH_ARGS_<stage> holds the arguments, e.g. BENCH_ARGS_bench3b="--model llama-3.14b ..."
       var="BENCH_ARGS_${stage}"
       [ -d "out/$stage" ] && cp -r "out/$stage" "$R/$stage"  # earlier results, for --merge
-      timeout 540 python3 -m megatrain_hf.cli bench ${!var} --out "$R/$stage" > "$R/$stage.log" 2>&1
+      timeout $(left 540) python3 -m megatrain_hf.cli bench ${!var} --out "$R/$stage" > "$R/$stage.log" 2>&1
       summary "$stage rc=$? $(tail -3 "$R/$stage.log" | cut -c1-600)";;
     *) summary "unknown stage $stage";;
   esac

@@ -168,10 +168,15 @@ class ResourceSampler:
             self._stop.wait(self.interval_s)
 
     def mark(self, phase: str) -> None:
-        """Record the host RSS now and the peak so far, named by a setup/training phase."""
+        """Record the host RSS now, the peak so far and the kernel's split of the RSS, by phase.
+
+        Logged at once as well: a worker killed for memory still leaves its phases in the log.
+        """
         self._sample()
-        self.marks[phase] = {"rss_gib": self._process.memory_info().rss / 2**30,
-                             "peak_rss_gib": self.peak_rss_bytes / 2**30}
+        mark = {"rss_gib": self._process.memory_info().rss / 2**30, "peak_rss_gib": self.peak_rss_bytes / 2**30}
+        mark.update(proc_status_gib())
+        self.marks[phase] = mark
+        logger.info("host memory at %s: %s", phase, ", ".join(f"{k} {v:.2f}" for k, v in mark.items()))
 
     def stop(self) -> None:
         self._stop.set()
@@ -194,6 +199,24 @@ class PhaseMarks(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.sampler.mark("train_end")
+
+
+_STATUS_FIELDS = ("RssAnon", "RssFile", "RssShmem", "VmLck", "VmPin", "VmHWM")
+
+
+def proc_status_gib() -> dict[str, float]:
+    """This process's anonymous / file / shared RSS, locked / pinned pages and RSS high-water mark
+    from ``/proc/self/status`` (GiB; empty where the file does not exist)."""
+    found: dict[str, float] = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in _STATUS_FIELDS:
+                    found[f"{name}_gib"] = int(value.split()[0]) * 1024 / 2**30  # the kernel writes kB
+    except OSError:
+        pass
+    return found
 
 
 def ru_maxrss_bytes() -> int:

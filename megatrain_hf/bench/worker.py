@@ -77,8 +77,13 @@ def check_available(system: str, device: str) -> None:
         raise Unavailable(f"{system} with CPU offload streams to a CUDA device; --device {device} was given")
 
 
-def build_model(shape: ModelShape, seq_len: int, seed: int):
-    """Random-init fp32 Llama of ``shape`` (through ``from_config``: ZeRO-3 partitions it at build)."""
+def build_model(shape: ModelShape, seq_len: int, seed: int, init_device: str = "cpu"):
+    """Random-init fp32 Llama of ``shape`` on the CPU (through ``from_config``: ZeRO-3 partitions it at build).
+
+    ``init_device="cuda"`` draws the random weights on the GPU (seconds, where a 7B model takes
+    over a minute on the CPU) and then moves the model to the CPU, where every system receives
+    it, as from ``from_pretrained``; the values depend on the device's generator.
+    """
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -94,7 +99,11 @@ def build_model(shape: ModelShape, seq_len: int, seed: int):
         use_cache=False,
     )
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if init_device == "cpu":  # no device context: ZeRO-3's zero.Init places the partitions itself
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.device(init_device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to("cpu")
 
 
 def trainable_params(model) -> int:
@@ -127,7 +136,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 args.system, output_dir=tmp, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                 max_steps=args.warmup_steps + args.steps, bf16=args.dtype == "bf16", use_cpu=not cuda, seed=args.seed,
             )  # before the model: under ZeRO-3, from_config then builds it partitioned (zero.Init)
-            model = build_model(shape, args.seq_len, args.seed)
+            # ZeRO-3 builds partitioned under zero.Init (its own device handling); others on the GPU
+            init_device = "cuda" if cuda and args.system != "deepspeed" else "cpu"
+            model = build_model(shape, args.seq_len, args.seed, init_device)
             sampler.mark("model_built")
             params = trainable_params(model)
             setup["model_build_s"] = time.perf_counter() - t0
