@@ -118,9 +118,18 @@ class HostAdamW(torch.optim.Optimizer):
         self._build_state_views()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Copy a saved state into the host flats, tensor by tensor, from any device.
+
+        torch's ``load_state_dict`` first builds new tensors for the whole state on the
+        parameters' device: a second full copy of the moments (8 bytes/param) in host RAM.
+        """
         self.synchronize()
-        super().load_state_dict(state_dict)  # validates and maps by position; builds new tensors
-        loaded = {p: dict(self.state[p]) for p in self.state}
+        saved = state_dict["state"]
+        # torch validates the groups (sizes, hooks) and maps the saved ids to parameters by position
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        loaded = {p: saved[i] for i, p in zip(ids, params) if i in saved}
         self._build_state_views()
         for u, groups in self._plan.items():
             for gi, entries in groups.items():

@@ -42,7 +42,8 @@ for stage in $STAGES; do
       # BENCH_ARGS_<stage> holds the arguments, e.g. BENCH_ARGS_bench3b="--model llama-3.14b ..."
       var="BENCH_ARGS_${stage}"
       [ -d "out/$stage" ] && cp -r "out/$stage" "$R/$stage"  # earlier results, for --merge
-      timeout $(left 540) python3 -m megatrain_hf.cli bench ${!var} --out "$R/$stage" > "$R/$stage.log" 2>&1
+      cfg="CONFIG_${stage}"  # megatrain options for this stage only, e.g. CONFIG_bench7b_cap='{"max_gpu_memory": "24GiB"}'
+      MEGATRAIN_CONFIG=${!cfg:-${MEGATRAIN_CONFIG:-}} timeout $(left 540) python3 -m megatrain_hf.cli bench ${!var} --out "$R/$stage" > "$R/$stage.log" 2>&1
       summary "$stage rc=$? $(tail -3 "$R/$stage.log" | cut -c1-600)";;
     *) summary "unknown stage $stage";;
   esac

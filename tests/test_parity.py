@@ -33,6 +33,8 @@ def test_trainer_parity_fp32(family, tmp_path):
     trainer, losses = train(model, training_args(tmp_path / "mt"), callbacks=[MegaTrainPlugin()])
 
     assert isinstance(trainer.optimizer.optimizer, HostAdamW)
+    # accelerate must not copy the host-resident state to the device and back (8 B/param each way)
+    assert trainer.optimizer.device_placement is False
     assert engine_of(model) is not None
     assert len(ref_losses) == 12  # 6 steps x 2 micro-batches
     assert_close_losses(ref_losses, losses, ATOL_FP32)
@@ -131,6 +133,49 @@ def test_host_adamw_matches_torch_adamw_with_unused_parameters():
     assert_close_params(state_of(models[0]), state_of(models[1]), ATOL_FP32)
     up = models[1].model.layers[0].mlp.up_proj.weight
     assert float(opt.state[up]["step"]) == 3.0
+
+
+def test_host_adamw_load_state_dict_copies_in_place(monkeypatch):
+    """A saved state loads into the existing host flats (no second copy of the moments), from any
+    tensor layout torch's state_dict gives, and training continues exactly as torch's AdamW."""
+    from megatrain_hf import attach
+
+    models = [tiny_model("llama"), tiny_model("llama")]
+    engine = attach(models[1], device="cpu")
+    ref_opt = torch.optim.AdamW(models[0].parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    opt = HostAdamW(models[1].parameters(), store=engine.store, lr=1e-2, weight_decay=0.1)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step(model, optimizer):
+        torch.manual_seed(0)  # the same dropout masks for both models
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(2):
+        step(models[0], ref_opt)
+        step(models[1], opt)
+    saved = opt.state_dict()
+    saved = {"param_groups": saved["param_groups"],
+             "state": {i: {k: v.clone() for k, v in st.items()} for i, st in saved["state"].items()}}
+    flats = {u: (m.data_ptr(), v.data_ptr()) for (u, m), v in zip(opt._exp_avg.items(), opt._exp_avg_sq.values())}
+    for u in flats:  # scribble over the live state: the load must restore every byte of it
+        opt._exp_avg[u].fill_(7.0)
+        opt._exp_avg_sq[u].fill_(7.0)
+    def no_copies(*args, **kwargs):
+        raise AssertionError("torch built a new tensor for a state value: a second copy of the moments")
+
+    monkeypatch.setattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", no_copies)
+    opt.load_state_dict(saved)
+    monkeypatch.undo()
+    assert {u: (m.data_ptr(), v.data_ptr()) for (u, m), v in zip(opt._exp_avg.items(), opt._exp_avg_sq.values())} == flats
+    up = models[1].model.layers[0].mlp.up_proj.weight
+    assert opt.state[up]["exp_avg"].data_ptr() >= min(p for p, _ in flats.values())
+    assert float(opt.state[up]["step"]) == 2.0
+    step(models[0], ref_opt)
+    step(models[1], opt)
+    opt.synchronize()
+    assert_close_params(state_of(models[0]), state_of(models[1]), ATOL_FP32)
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2"])

@@ -229,7 +229,19 @@ class MegaTrainPlugin(TrainerCallback):
         if plugin.config.chunked_loss == "auto" and type(trainer) is Trainer:
             # plain Trainer reads only the loss of a training forward; subclasses may read logits
             self.engine.chunked_loss_active = self._chunked_loss_installed()
-        gradient_state = trainer.accelerator.gradient_state
+        accelerator = trainer.accelerator
+        original_prepare_optimizer = accelerator.prepare_optimizer
+
+        def prepare_optimizer(optimizer, device_placement=None):
+            # HostAdamW's state lives in the host store. With device placement, accelerate copies
+            # the whole state to the GPU and loads it back (measured at 3.14 B: +23 GiB of host
+            # RSS and as much GPU memory, 30 s, at the start of training).
+            if isinstance(optimizer, HostAdamW):
+                device_placement = False
+            return original_prepare_optimizer(optimizer, device_placement=device_placement)
+
+        accelerator.prepare_optimizer = prepare_optimizer
+        gradient_state = accelerator.gradient_state
         self.engine.grads.final_microbatch = lambda: bool(gradient_state.sync_gradients)
 
     def _chunked_loss_installed(self) -> bool:
