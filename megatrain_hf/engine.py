@@ -574,8 +574,11 @@ class Engine:
         fraction = min(1.0, self.gpu_budget / total)
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
         self._undo.append(lambda: torch.cuda.set_per_process_memory_fraction(1.0, self.device))
-        # reserved, not allocated: the cap applies to what the caching allocator holds
+        # reserved, not allocated: the cap applies to what the caching allocator holds. Blocks it
+        # cached before (e.g. a model initialised on the GPU and moved to the host: 25 GiB at 7B)
+        # are released, or they would count as this run's peak and leave no room in the plan.
         self._peak_source = lambda: torch.cuda.max_memory_reserved(self.device)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         logger.info("megatrain: GPU memory capped at %.2f GiB (%.1f%% of %s)", self.gpu_budget / 2**30,
                     100 * fraction, torch.cuda.get_device_name(self.device))

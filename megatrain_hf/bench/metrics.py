@@ -143,6 +143,7 @@ class ResourceSampler:
         self.peak_device_used_bytes: int | None = None
         self.marks: dict[str, dict[str, float]] = {}  # phase -> host RSS now and peak so far (GiB)
         self._process = psutil.Process()
+        self._lock = threading.Lock()  # a sample in flight must not undo reset_device_peak()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-resource-sampler", daemon=True)
 
@@ -155,8 +156,9 @@ class ResourceSampler:
         # The driver's view (includes the CUDA context and memory outside PyTorch's allocator);
         # only once the main thread created the context, so sampling never creates one itself.
         if self.cuda_device is not None and torch.cuda.is_initialized():
-            free, total = torch.cuda.mem_get_info(self.cuda_device)
-            self.peak_device_used_bytes = max(self.peak_device_used_bytes or 0, total - free)
+            with self._lock:
+                free, total = torch.cuda.mem_get_info(self.cuda_device)
+                self.peak_device_used_bytes = max(self.peak_device_used_bytes or 0, total - free)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -166,6 +168,11 @@ class ResourceSampler:
                 logger.warning("resource sampling failed: %s", exc)
                 return
             self._stop.wait(self.interval_s)
+
+    def reset_device_peak(self) -> None:
+        """Forget the device peak so far (the model's random init on the GPU is not training)."""
+        with self._lock:
+            self.peak_device_used_bytes = None
 
     def mark(self, phase: str) -> None:
         """Record the host RSS now, the peak so far and the kernel's split of the RSS, by phase.

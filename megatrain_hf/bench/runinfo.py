@@ -121,8 +121,10 @@ DEFINITIONS = {
                  "on_step_end, device synchronized), warmup steps excluded; mean and median over measured steps",
     "tokens_per_s": "tokens_per_step / mean step time (= measured tokens / measured wall time)",
     "tflops": FLOPS_FORMULA + "; computed with the mean step time",
-    "gpu_peak": "torch.cuda.max_memory_allocated over the whole worker process (never reset: includes model "
-                "setup); also max_memory_reserved, and device memory in use per cudaMemGetInfo sampled every 50 ms",
+    "gpu_peak": "torch.cuda.max_memory_allocated from the moment the model is built (its random init, on the "
+                "GPU for systems other than DeepSpeed, is then freed and the statistics reset) to the end of "
+                "training; megatrain under max_gpu_memory: its own maxima; also max_memory_reserved, and device "
+                "memory in use per cudaMemGetInfo sampled every 50 ms",
     "host_peak_rss": "max of psutil RSS sampled every 50 ms in the worker (a fresh process per system); "
                      "getrusage ru_maxrss reported as a cross-check",
     "link_bytes_per_step": "host<->device bytes per optimizer step; only megatrain counts them (engine stats), "

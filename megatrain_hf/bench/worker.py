@@ -139,6 +139,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             # ZeRO-3 builds partitioned under zero.Init (its own device handling); others on the GPU
             init_device = "cuda" if cuda and args.system != "deepspeed" else "cpu"
             model = build_model(shape, args.seq_len, args.seed, init_device)
+            if init_device == "cuda":  # the init's blocks must not stay cached or count as a peak
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                sampler.reset_device_peak()
             sampler.mark("model_built")
             params = trainable_params(model)
             setup["model_build_s"] = time.perf_counter() - t0
