@@ -574,16 +574,18 @@ class Engine:
         fraction = min(1.0, self.gpu_budget / total)
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
         self._undo.append(lambda: torch.cuda.set_per_process_memory_fraction(1.0, self.device))
-        # reserved, not allocated: the cap applies to what the caching allocator holds. Blocks it
-        # cached before (e.g. a model initialised on the GPU and moved to the host: 25 GiB at 7B)
-        # are released, or they would count as this run's peak and leave no room in the plan.
-        self._peak_source = lambda: torch.cuda.max_memory_reserved(self.device)
+        # Planned on allocated bytes, with _BUDGET_MARGIN left for fragmentation. Not on reserved:
+        # under a cap the caching allocator keeps freed blocks until an allocation fails, so what
+        # it holds drifts up to the cap whatever the step needs (7B, 24 GiB, one micro-batch in
+        # flight: 8.6 GiB allocated, 22.7 GiB reserved) and would never let a second one in.
+        # Blocks cached before the cap (e.g. a model initialised on the GPU) are released first.
+        self._peak_source = lambda: torch.cuda.max_memory_allocated(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         logger.info("megatrain: GPU memory capped at %.2f GiB (%.1f%% of %s)", self.gpu_budget / 2**30,
                     100 * fraction, torch.cuda.get_device_name(self.device))
 
-    _BUDGET_MARGIN = 0.9  # of the budget, planned for (allocator fragmentation, estimate error)
+    _BUDGET_MARGIN = 0.9  # of the budget, planned for allocated bytes (the rest: fragmentation, estimate error)
 
     def microbatches_in_flight(self, k: int) -> int:
         """How many of a step's ``k`` micro-batches to run per layer-major group under the budget.

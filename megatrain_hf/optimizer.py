@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import defaultdict
 
 import torch
@@ -67,6 +68,9 @@ class HostAdamW(torch.optim.Optimizer):
         self._grad_scale: tuple | None = None
         self._skip_next = False
         self.skipped_steps = 0  # updates skipped through skip_next_step() (non-finite gradients)
+        # time spent in unit updates and the elements they updated (read and reset by take_update_stats)
+        self._update_stats_lock = threading.Lock()
+        self._update_s, self._updated_numel = 0.0, 0
         if asynchronous:
             self._jobs: queue.Queue = queue.Queue()
             self._cond = threading.Condition()
@@ -246,9 +250,17 @@ class HostAdamW(torch.optim.Optimizer):
         )
         return steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, updated
 
+    def take_update_stats(self) -> tuple[float, int]:
+        """Seconds spent updating units and the elements updated since the last call."""
+        with self._update_stats_lock:
+            out = self._update_s, self._updated_numel
+            self._update_s, self._updated_numel = 0.0, 0
+        return out
+
     def _run_job(self, job) -> None:
         u, work = job
         error = None
+        start = time.perf_counter()
         try:
             if self._native is not None:
                 self._run_native(u, work)
@@ -272,6 +284,10 @@ class HostAdamW(torch.optim.Optimizer):
             logger.exception("HostAdamW update of unit %d failed", u)
             error = exc
         finally:
+            numel = sum(p.numel() for w in work for p in w[1])
+            with self._update_stats_lock:
+                self._update_s += time.perf_counter() - start
+                self._updated_numel += numel
             self.store.end_update(u, error)
 
     def _run_native(self, u: int, work: list) -> None:

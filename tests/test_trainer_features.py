@@ -120,3 +120,12 @@ def test_engine_metrics_in_trainer_logs(tmp_path):
         assert key in logs[-1], key
     assert logs[-1]["megatrain/tokens"] == 2 * 2 * 16  # 2 micro-batches x 2 sequences x 16 tokens
     assert logs[-1]["megatrain/tflops"] > 0
+    assert 0 < logs[-1]["megatrain/update_frac"] and logs[-1]["megatrain/update_Gparams_per_s"] > 0
+    optimizer = trainer.optimizer.optimizer  # one more update by hand: the counters cover every updated element
+    optimizer.take_update_stats()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.synchronize()
+    seconds, numel = optimizer.take_update_stats()
+    assert seconds > 0 and numel == sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -135,7 +135,7 @@ class MegaTrainPlugin(TrainerCallback):
 
         def log(self, logs: dict[str, float], *args, **kwargs):
             if "loss" in logs:
-                logs.update(plugin.metrics())
+                logs.update(plugin.metrics(_host_adamw(self)))
             return original_log(logs, *args, **kwargs)
 
         original_clip = trainer._clip_grad_norm
@@ -349,8 +349,8 @@ class MegaTrainPlugin(TrainerCallback):
         return True
 
     # ------------------------------------------------------------------ metrics
-    def metrics(self) -> dict[str, float]:
-        """Engine metrics since the previous call (training logs only)."""
+    def metrics(self, optimizer: HostAdamW | None = None) -> dict[str, float]:
+        """Engine (and host optimizer) metrics since the previous call (training logs only)."""
         engine = self.engine
         if engine is None:
             return {}
@@ -378,6 +378,11 @@ class MegaTrainPlugin(TrainerCallback):
                 out["megatrain/h2d_wait_frac"] = engine.streamer.exposed_wait_s() / elapsed
             if stats.d2h_busy_s > 0:  # the link's effective rate while the grad stream copied
                 out["megatrain/d2h_GBps_busy"] = stats.d2h_bytes / 1e9 / stats.d2h_busy_s
+        if optimizer is not None:  # the host update's own time, hidden or not, and its rate
+            update_s, updated = optimizer.take_update_stats()
+            if self._last_log is not None and update_s > 0:
+                out["megatrain/update_frac"] = update_s / elapsed
+                out["megatrain/update_Gparams_per_s"] = updated / update_s / 1e9
         try:
             import psutil
 
