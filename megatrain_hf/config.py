@@ -109,7 +109,14 @@ class MegaTrainConfig:
     at a time and measures the GPU peak and the activation-checkpoint bytes of a micro-batch; later
     steps run as many micro-batches per group as fit (`megatrain/microbatches_in_flight` in the
     logs). One micro-batch at a time is the floor: if that does not fit, reduce the micro-batch or
-    the sequence length (checkpoint offload to host memory is not implemented yet)."""
+    the sequence length, or set `offload_checkpoints=True`."""
+
+    offload_checkpoints: bool = False
+    """Keep each layer's activation checkpoint (its fp32 input, `tokens x hidden x 4` bytes) in
+    pinned host memory between forward and backward instead of on the GPU: copied down while the
+    next layer computes, brought back ahead of its backward. GPU memory then stays flat with depth
+    and with the micro-batches in flight; host RAM holds `(layers + 2) x micro-batches in flight x
+    tokens x hidden x 4` bytes more, and the link carries them twice. Exact (same bytes back)."""
 
     check_host_memory: bool = True
     """Before allocating, compare the host bytes the plan needs with the RAM available and raise
@@ -152,6 +159,10 @@ class MegaTrainConfig:
         if self.layer_major not in (True, False, "auto"):
             raise ValueError(
                 f"MegaTrainConfig.layer_major={self.layer_major!r}; allowed: True, False or 'auto'."
+            )
+        if not isinstance(self.offload_checkpoints, bool):
+            raise ValueError(
+                f"MegaTrainConfig.offload_checkpoints={self.offload_checkpoints!r}; allowed: True or False."
             )
         if self.pin_memory not in (True, False, "auto"):
             raise ValueError(

@@ -35,7 +35,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .adapters import Units, locate_units, unwrap
 from .config import MegaTrainConfig
 from . import layer_major
-from .grads import GradSink
+from .grads import GRAD_SLABS, GradSink
+from .offload import Checkpoint, CheckpointOffload
 from .store import Entry, HostStore
 from .streamer import Streamer
 from .template import Template, TemplateCache
@@ -111,7 +112,9 @@ class _StreamedUnit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, engine: "Engine", call: _Call, anchor: torch.Tensor, x: torch.Tensor):
         ctx.engine, ctx.call = engine, call
-        ctx.save_for_backward(x)  # the activation checkpoint of this unit
+        ctx.ckpt = engine._offload_checkpoint(x)
+        if ctx.ckpt is None:
+            ctx.save_for_backward(x)  # the activation checkpoint of this unit
         out = engine._compute(call, x, engine.streamer.fetch(call.unit))
         engine.streamer.prefetch(call.unit + 1)  # after the compute is queued: never delays it
         return out, anchor.new_zeros(())
@@ -119,7 +122,6 @@ class _StreamedUnit(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor, grad_token: torch.Tensor):
-        (x,) = ctx.saved_tensors
         engine = ctx.engine
         group = engine._group
         if group is not None and not group.backward_open:
@@ -131,6 +133,12 @@ class _StreamedUnit(torch.autograd.Function):
             )
         engine._at_backward_end()
         try:
+            if ctx.ckpt is None:
+                (x,) = ctx.saved_tensors
+            else:  # back from the host; the micro-batch's previous checkpoint starts its way up
+                x = engine.offload.load(ctx.ckpt)
+                engine.offload.prefetch(ctx.ckpt.prev)
+                ctx.ckpt.prev = None
             grad_x = engine._recompute_backward(ctx.call, x, grad_out)
         except BaseException:
             engine._backward_failed()
@@ -173,6 +181,15 @@ class Engine:
             torch.set_num_threads(self.host_threads)
         self.streamer = Streamer(self.store, device, self.stats)
         self.grads = GradSink(self.store, device, self.stats, host_threads=self.host_threads)
+        self.offload: CheckpointOffload | None = None
+        if config.offload_checkpoints:
+            from .memory import DEFAULT_HEADROOM_BYTES, available_host_bytes
+
+            self.offload = CheckpointOffload(device, self.store.allocate, available_host_bytes,
+                                             DEFAULT_HEADROOM_BYTES, self.stats)
+        self._chains: dict[int, weakref.ref] = {}  # micro-batch -> its last offloaded checkpoint
+        self._offload_per_microbatch: int | None = None  # host bytes of one micro-batch's checkpoints
+        self._host_fit_logged = False
         templates = TemplateCache()
         self.units: list[_Unit] = []
         for u, (name, module) in enumerate(zip(units.names, units.modules)):
@@ -238,6 +255,7 @@ class Engine:
                 staging=staging and dtype != torch.float32,
                 embedding_units=units.embedding_units,
                 optimizer_state=config.replace_adamw,
+                grad_slabs=GRAD_SLABS if device.type == "cuda" else 0,
             )
             check_host_memory(sum(breakdown.values()), breakdown, available=available)
 
@@ -525,8 +543,11 @@ class Engine:
             call.cpu_rng = torch.get_rng_state()
             if dev_type == "cuda":
                 call.dev_rng = torch.cuda.get_rng_state(self.device)
+        if u == 0:  # a micro-batch's forward starts: its checkpoints form a new chain
+            self._chains.pop(self._microbatch_key(), None)
         out, token = _StreamedUnit.apply(self, call, self._anchor_for_call(), x)
-        self._ckpt_bytes += x.numel() * x.element_size()  # the checkpoint this call keeps
+        if self.offload is None:
+            self._ckpt_bytes += x.numel() * x.element_size()  # the checkpoint this call keeps
         group = self._group
         if group is not None and group.current is not None:
             r = group.rounds.get(group.current.index, 0)
@@ -536,6 +557,20 @@ class Engine:
             group.tokens[r].append(token)
             self.grads.count_call(u)
         return out
+
+    def _microbatch_key(self) -> int:
+        group = self._group
+        return group.current.index if group is not None and group.current is not None else 0
+
+    def _offload_checkpoint(self, x: torch.Tensor) -> Checkpoint | None:
+        """With ``offload_checkpoints``: ``x`` saved to the host, linked to its micro-batch's chain."""
+        if self.offload is None or not x.is_floating_point():
+            return None
+        key = self._microbatch_key()
+        last = self._chains.get(key)
+        ckpt = self.offload.save(x, last() if last is not None else None)
+        self._chains[key] = weakref.ref(ckpt)
+        return ckpt
 
     def _anchor_for_call(self) -> torch.Tensor:
         """The requires-grad scalar input of a streamed call.
@@ -594,6 +629,7 @@ class Engine:
         the peak's growth per micro-batch, which also covers what grows besides the checkpoints,
         e.g. full logits without the chunked loss); then as many as the two measurements allow.
         """
+        k = min(k, self._host_fit(k))
         if self.gpu_budget is None or self._peak_source is None:
             return k
         if not self._peaks:
@@ -611,8 +647,35 @@ class Engine:
             fits = min(fits, 2)
         return max(1, min(k, fits))
 
+    def _host_fit(self, k: int) -> int:
+        """With offloaded checkpoints: micro-batches whose checkpoints the host RAM can hold.
+
+        The first step runs one at a time and its pool size is one micro-batch's checkpoints;
+        later steps fit what the pool and the RAM still available hold.
+        """
+        if self.offload is None:
+            return k
+        if self._offload_per_microbatch is None:
+            return 1
+        from .memory import DEFAULT_HEADROOM_BYTES, available_host_bytes
+
+        capacity = self.offload.pool_bytes + available_host_bytes() - DEFAULT_HEADROOM_BYTES
+        fits = max(1, capacity // max(1, self._offload_per_microbatch))
+        if fits < k:
+            self._log_host_fit_once(fits, k)
+        return fits
+
+    def _log_host_fit_once(self, fits: int, k: int) -> None:
+        if not self._host_fit_logged:
+            self._host_fit_logged = True
+            logger.info("megatrain: host RAM holds the offloaded checkpoints of %d of the step's %d micro-batches "
+                        "(%.2f GiB each); the step runs in groups of %d", fits, k,
+                        self._offload_per_microbatch / 2**30, fits)
+
     def observe_step(self, microbatches: int) -> None:
         """After an optimizer step of ``microbatches``: its GPU peak and checkpoint bytes per micro-batch."""
+        if self.offload is not None and self._offload_per_microbatch is None and microbatches > 0:
+            self._offload_per_microbatch = self.offload.pool_bytes  # the step ran one at a time
         nbytes, self._ckpt_bytes = self._ckpt_bytes, 0
         if self._peak_source is None or microbatches <= 0 or len(self._peaks) >= 2:
             return  # two group sizes measured: the plan is set, peak statistics are left alone

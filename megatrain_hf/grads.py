@@ -21,8 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -31,15 +30,20 @@ from .workers import start_worker
 
 logger = logging.getLogger(__name__)
 
+GRAD_SLABS = 3
+"""Pinned fp32 slabs a CUDA gradient pipeline allocates (the memory plan counts them)."""
 
-@dataclass
-class _Slab:
-    lp_host: torch.Tensor | None  # gradients of matrices (sent as fp32, see _start_cuda)
-    fp_host: torch.Tensor | None  # fp32 gradients of vectors / embeddings
+
+def slab_numel(unit_numels: Iterable[int]) -> int:
+    """Elements of one gradient slab: the largest unit's trainable elements. A slab mirrors a
+    unit's master layout (matrices, then fp32 vectors / embedding), so any unit's gradients land
+    at their own offsets."""
+    return max(unit_numels, default=0)
 
 
 class GradSink:
-    def __init__(self, store: HostStore, device: torch.device, stats, num_slabs: int = 3, host_threads: int = 1) -> None:
+    def __init__(self, store: HostStore, device: torch.device, stats, num_slabs: int = GRAD_SLABS,
+                 host_threads: int = 1) -> None:
         self.host_threads = host_threads
         self.store = store
         self.device = device
@@ -65,21 +69,13 @@ class GradSink:
     # ------------------------------------------------------------------ setup
     def _start_cuda(self, num_slabs: int) -> None:
         self.stream = torch.cuda.Stream(self.device)
-        n_lp = max((b.n_lp for b in self.store.buffers if b.master_host is not None), default=0)
-        n_fp = max(
-            (b.master_host.numel() - b.n_lp for b in self.store.buffers if b.master_host is not None), default=0
-        )
-        self._free: queue.Queue[_Slab] = queue.Queue()
+        numel = slab_numel(b.master_host.numel() for b in self.store.buffers if b.master_host is not None)
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(num_slabs):
-            self._free.put(
-                _Slab(
-                    # fp32 even for bf16 gradients: the cast runs on the GPU for free, and the
-                    # host add is then fp32 += fp32 (measured on the H200 host: fp32 += bf16
-                    # runs at 1.5 Gelem/s, a bottleneck; see docs/log.md)
-                    self.store.allocate(n_lp, torch.float32) if n_lp else None,
-                    self.store.allocate(n_fp, torch.float32) if n_fp else None,
-                )
-            )
+            # fp32 even for bf16 gradients: the cast runs on the GPU for free, and the host add is
+            # then fp32 += fp32 (measured on the H200 host: fp32 += bf16 runs at 1.5 Gelem/s, a
+            # bottleneck; see docs/log.md)
+            self._free.put(self.store.allocate(numel, torch.float32))
         self._jobs: queue.Queue = queue.Queue()
         self._worker = start_worker(self, self._jobs, "_process", self.host_threads, "megatrain-grads")
 
@@ -168,7 +164,6 @@ class GradSink:
         direct = all(e.tensor.grad is None for e in self.store.entries[u] if e.owner == u and e.kind == "trainable")
         slab = None if direct else self._take_slab()
         grad_host = self.store.buffers[u].grad_host
-        n_lp = self.store.buffers[u].n_lp
         norms_host = norms = None
         if direct and want_norm and local:
             # These are the step's whole gradients: their norms (fp32, as of the fp32 .grad that
@@ -176,7 +171,7 @@ class GradSink:
             norms = torch.stack(torch._foreach_norm([g for _, g in local], 2, dtype=torch.float32))
             norms_host = torch.empty(norms.shape, dtype=torch.float32, pin_memory=True)
         try:
-            start, done = self._copy_down(local, direct, slab, grad_host, n_lp, norms_host, norms)
+            start, done = self._copy_down(local, direct, slab, grad_host, norms_host, norms)
         except BaseException:
             if slab is not None:  # e.g. out of memory in the fp32 cast: the pool must not shrink
                 self.stream.synchronize()
@@ -189,19 +184,14 @@ class GradSink:
         # allocator must not hand their memory to the compute stream while the grad stream reads it
         self._jobs.put((u, slab, (start, done), local, (norms_host, norms) if norms_host is not None else want_norm))
 
-    def _copy_down(self, local, direct: bool, slab, grad_host, n_lp: int, norms_host, norms):
+    def _copy_down(self, local, direct: bool, slab, grad_host, norms_host, norms):
         """Queue the device-to-host copies of one unit on the grad stream; (start, done) events."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # grads are ready there
         with torch.cuda.stream(self.stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record(self.stream)  # when the grad stream begins this unit's copies
             for e, g in local:
-                if direct:
-                    dst = grad_host[e.offset : e.offset + e.numel]
-                elif e.wire == torch.float32:
-                    dst = slab.fp_host[e.offset - n_lp : e.offset - n_lp + e.numel]
-                else:
-                    dst = slab.lp_host[e.offset : e.offset + e.numel]
+                dst = (grad_host if direct else slab)[e.offset : e.offset + e.numel]
                 dst.copy_(g.reshape(-1).float(), non_blocking=True)
                 self.stats.d2h_bytes += e.numel * 4
             if norms_host is not None:
@@ -235,7 +225,7 @@ class GradSink:
         if g.device.type != "cpu":
             self.stats.d2h_bytes += g.numel() * g.element_size()
 
-    def _take_slab(self) -> _Slab:
+    def _take_slab(self) -> torch.Tensor:
         while True:
             try:
                 return self._free.get(timeout=1.0)
@@ -255,17 +245,12 @@ class GradSink:
         try:
             done.synchronize()
             self.stats.d2h_busy_s += start.elapsed_time(done) / 1e3  # grad stream busy: effective D2H rate
-            n_lp = self.store.buffers[u].n_lp
             grad_host = self.store.buffers[u].grad_host
             for e, _ in local:
                 if slab is None:  # copied straight into the accumulator: point .grad at it
                     e.tensor.grad = grad_host[e.offset : e.offset + e.numel].view(e.shape)
                     continue
-                if e.wire == torch.float32:
-                    src = slab.fp_host[e.offset - n_lp : e.offset - n_lp + e.numel]
-                else:
-                    src = slab.lp_host[e.offset : e.offset + e.numel]
-                self.store.accumulate_grad(e, src)
+                self.store.accumulate_grad(e, slab[e.offset : e.offset + e.numel])
             if isinstance(want_norm, tuple):  # computed on the GPU, in local's order
                 self.norms[u] = (self._grad_key(u), list(want_norm[0].unbind()))
             elif want_norm:

@@ -41,6 +41,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-staging", action=argparse.BooleanOptionalAction, default=True,
                         help="keep a bf16 host copy of the matrices (2 B/param); --no-host-staging: send fp32 "
                              "and round on the GPU (what host_staging='auto' does when RAM is short)")
+    parser.add_argument("--offload-checkpoints", action="store_true",
+                        help="activation checkpoints in pinned host memory (offload_checkpoints=True): GPU flat "
+                             "with depth and micro-batches in flight, host RAM pays")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: auto)")
     parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
     parser.add_argument("--host-gib", type=float, default=None,
@@ -62,6 +65,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
             layer_major=args.layer_major,
             chunked_loss=args.chunked_loss,
             host_staging=args.host_staging,
+            offload_checkpoints=args.offload_checkpoints,
             loss_chunk_tokens=args.loss_chunk_tokens,
             lora_rank=args.lora_rank,
         )

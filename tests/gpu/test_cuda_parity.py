@@ -249,3 +249,59 @@ def test_gpu_budget_caps_memory_and_sizes_groups(tmp_path):
         assert_close_updates(init, ref_state, state_of(model), BF16_UPDATE_RTOL)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+@pytest.mark.parametrize("layer_major", [False, True])
+def test_offloaded_checkpoints_with_transfer_bound_shapes(tmp_path, layer_major):
+    """offload_checkpoints=True with narrow layers and many tokens: each checkpoint's trip to the
+    host and back takes longer than the layer's compute, so a missing wait (a checkpoint read
+    before it landed, a host buffer reused before its upload read it) changes the numbers."""
+    shape = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=4, vocab_size=256, max_position_embeddings=256, attention_dropout=0.0)
+    data = RandomTokens(n=384, seq=256, vocab=256)
+    args = dict(max_steps=3, per_device_train_batch_size=32, gradient_accumulation_steps=4)
+    ref = tiny_model("llama", **shape)
+    init = state_of(ref)
+    _, ref_losses = train(ref, _args(tmp_path / "ref", **args), dataset=data)
+    model = tiny_model("llama", **shape)
+    _, losses = train(model, _args(tmp_path / "mt", **args), dataset=data,
+                      callbacks=[MegaTrainPlugin(layer_major=layer_major, offload_checkpoints=True)])
+    assert engine_of(model).offload.pool_bytes > 0
+    ref_state = {n: p.cpu() for n, p in state_of(ref).items()}
+    _report(f"offload_checkpoints_fp32_layer_major={layer_major}", ref_losses, losses, ref_state, state_of(model))
+    assert_close_losses(ref_losses, losses, FP32_LOSS_ATOL)
+    assert_close_updates(init, ref_state, state_of(model), FP32_UPDATE_RTOL)
+
+
+def test_offloaded_checkpoints_keep_gpu_memory_flat_with_depth(tmp_path):
+    """The GPU peak grows with depth by the checkpoints (one fp32 tokens x hidden per layer and
+    micro-batch in flight) unless they are offloaded: then by less than a quarter of that."""
+    import gc
+
+    data = RandomTokens(n=32, seq=1024, vocab=1024)
+    args = dict(bf16=True, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=4)
+    peaks = {}
+    for offload in (False, True):
+        for layers in (4, 12):
+            shape = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers, num_attention_heads=8,
+                         num_key_value_heads=8, vocab_size=1024, max_position_embeddings=1024, attention_dropout=0.0)
+            model = tiny_model("llama", **shape)
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            train(model, _args(tmp_path / f"{offload}-{layers}", **args), dataset=data,
+                  callbacks=[MegaTrainPlugin(offload_checkpoints=offload)])
+            peaks[(offload, layers)] = torch.cuda.max_memory_allocated()
+            engine_of(model).detach()
+            del model
+    grow_kept = peaks[(False, 12)] - peaks[(False, 4)]
+    grow_offloaded = peaks[(True, 12)] - peaks[(True, 4)]
+    checkpoints = 8 * 4 * 2048 * 1024 * 4  # 8 more layers x 4 micro-batches x tokens x hidden x fp32
+    report = {"peaks": {f"offload={o},layers={n}": v for (o, n), v in peaks.items()},
+          "checkpoint_bytes_of_8_layers": checkpoints}
+    path = os.environ.get("MEGATRAIN_GPU_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": "offload_depth_memory", **report}) + "\n")
+    assert grow_kept >= 0.8 * checkpoints, (grow_kept, checkpoints)
+    assert grow_offloaded < 0.25 * checkpoints, (grow_offloaded, checkpoints)

@@ -1,0 +1,141 @@
+"""Activation checkpoints offloaded to host memory (``offload_checkpoints=True``), CPU, fp32.
+
+The checkpoints make a round trip through pooled host buffers; the bytes that come back are the
+bytes that went down, so training must equal training without offload bit for bit, in
+micro-batch order and layer-major. The pool must stop growing after the first step, return the
+buffers of a graph dropped without backward, and refuse clearly when the RAM is short.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from helpers import (
+    assert_close_losses,
+    assert_close_params,
+    state_of,
+    tiny_model,
+    train,
+    training_args,
+)
+from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach, engine_of
+
+
+def _equal_states(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("layer_major", [False, True], ids=["microbatch-order", "layer-major"])
+def test_offload_trains_bit_for_bit_like_no_offload(tmp_path, layer_major):
+    args = dict(gradient_accumulation_steps=2)
+    kw = {} if not layer_major else {"attention_dropout": 0.0}  # dropout keeps micro-batch order
+    ref = tiny_model("llama", **kw)
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", **args), callbacks=[MegaTrainPlugin()])
+    model = tiny_model("llama", **kw)
+    trainer, losses = train(model, training_args(tmp_path / "off", **args),
+                            callbacks=[MegaTrainPlugin(offload_checkpoints=True)])
+    assert losses == ref_losses
+    _equal_states(state_of(ref), state_of(model))
+    engine = engine_of(model)
+    assert engine.offload is not None and engine.offload.pool_bytes > 0
+    assert engine._ckpt_bytes == 0  # nothing counted as kept on the device
+
+
+def test_offload_layer_major_four_microbatches_matches_plain_trainer(tmp_path):
+    args = dict(gradient_accumulation_steps=4)
+    ref = tiny_model("qwen2", attention_dropout=0.0)
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", **args))
+    model = tiny_model("qwen2", attention_dropout=0.0)
+    _, losses = train(model, training_args(tmp_path / "off", **args),
+                      callbacks=[MegaTrainPlugin(offload_checkpoints=True, layer_major=True)])
+    assert_close_losses(ref_losses, losses, 1e-6)
+    assert_close_params(state_of(ref), state_of(model), 5e-6)
+
+
+def test_groups_shrink_to_what_host_ram_holds(tmp_path, monkeypatch):
+    """Step 1 runs one micro-batch at a time and measures its checkpoints on the host; later steps
+    run as many per layer-major group as the pool plus the free RAM hold (here: 2 of 4)."""
+    import megatrain_hf.memory as memory
+
+    args = dict(gradient_accumulation_steps=4)
+    ref = tiny_model("llama", attention_dropout=0.0)
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", **args))
+    model = tiny_model("llama", attention_dropout=0.0)
+    seen = []
+
+    def available() -> int:
+        engine = engine_of(model)
+        per = engine._offload_per_microbatch if engine is not None else None
+        if per is None:
+            return 1 << 40
+        return memory.DEFAULT_HEADROOM_BYTES + 2 * per - engine.offload.pool_bytes
+
+    monkeypatch.setattr(memory, "available_host_bytes", available)
+    original = MegaTrainPlugin.on_step_end
+
+    def record(self, args, state, control, **kwargs):
+        seen.append(engine_of(model).in_flight)
+        return original(self, args, state, control, **kwargs)
+
+    monkeypatch.setattr(MegaTrainPlugin, "on_step_end", record)
+    _, losses = train(model, training_args(tmp_path / "off", **args),
+                      callbacks=[MegaTrainPlugin(offload_checkpoints=True, layer_major=True, check_host_memory=False)])
+    assert seen[0] == 1 and set(seen[1:]) == {2}, seen
+    assert_close_losses(ref_losses, losses, 1e-6)
+    assert_close_params(state_of(ref), state_of(model), 5e-6)
+
+
+def _loss(model, seed: int = 0) -> torch.Tensor:
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
+    return model(input_ids=ids, labels=ids).loss
+
+
+def test_pool_reuses_buffers_and_gets_them_back_from_dropped_graphs():
+    model = tiny_model("llama", attention_dropout=0.0)
+    engine = attach(model, MegaTrainConfig(offload_checkpoints=True), device="cpu")
+    pool = engine.offload
+    _loss(model).backward()
+    after_one = pool.pool_bytes
+    assert after_one > 0
+    for seed in range(1, 4):
+        model.zero_grad()
+        _loss(model, seed).backward()
+    assert pool.pool_bytes == after_one  # steady: every step reuses the same buffers
+    loss = _loss(model, 9)  # a graph that never runs backward
+    assert sum(len(v) for v in pool._free.values()) == 0  # its checkpoints hold every buffer
+    del loss
+    gc.collect()
+    assert sum(b.numel() * b.element_size() for v in pool._free.values() for b in v) == after_one
+    model.zero_grad()
+    _loss(model).backward()
+    assert pool.pool_bytes == after_one
+    engine.detach()
+
+
+def test_backward_twice_over_one_graph_is_refused():
+    model = tiny_model("llama", attention_dropout=0.0)
+    engine = attach(model, MegaTrainConfig(offload_checkpoints=True), device="cpu")
+    loss = _loss(model)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True is not supported with offload_checkpoints"):
+        loss.backward()
+    engine.detach()
+
+
+def test_short_host_ram_is_refused_with_the_fix(monkeypatch):
+    model = tiny_model("llama", attention_dropout=0.0)
+    engine = attach(model, MegaTrainConfig(offload_checkpoints=True), device="cpu")
+    monkeypatch.setattr(engine.offload, "_available_bytes", lambda: engine.offload._headroom + 100)
+    with pytest.raises(MemoryError, match=r"offloading activation checkpoints needs .* MiB more host RAM .*offload_checkpoints=False"):
+        _loss(model)
+    engine.detach()
+
+
+def test_offload_checkpoints_must_be_a_bool():
+    with pytest.raises(ValueError, match="offload_checkpoints='yes'; allowed: True or False"):
+        MegaTrainConfig(offload_checkpoints="yes")
