@@ -205,6 +205,8 @@ class Engine:
         layers = getattr(text_config, "num_hidden_layers", 0) or 0
         hidden = getattr(text_config, "hidden_size", 0) or 0
         self._attn_flops_per_seq = 12.0 * layers * hidden
+        self._max_positions = getattr(text_config, "max_position_embeddings", None)
+        self._model_type = getattr(text_config, "model_type", "?")
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         self._end_queued = None  # graph-task id of the pass whose end callback is queued
         self._group: _Group | None = None
@@ -524,8 +526,9 @@ class Engine:
         )
         call = _Call(u, rest, kwargs, key, kernel=kernel)
         if u == 0 and unit.module.training and torch.is_grad_enabled() and not x.is_floating_point():
-            self.stats.tokens += x.numel()
             seq = x.shape[-1] if x.dim() else 1
+            self._check_sequence_length(seq)
+            self.stats.tokens += x.numel()
             self.stats.useful_flops += x.numel() * (6.0 * self.trainable_params + self._attn_flops_per_seq * seq)
         if not needs_graph:
             out = self._compute(call, x, self.streamer.fetch(u))
@@ -557,6 +560,17 @@ class Engine:
             group.tokens[r].append(token)
             self.grads.count_call(u)
         return out
+
+    def _check_sequence_length(self, seq: int) -> None:
+        limit = self._max_positions
+        if isinstance(limit, int) and seq > limit:
+            raise ValueError(
+                f"megatrain: a training sequence has {seq} tokens, more than the model's max_position_embeddings="
+                f"{limit} ({self._model_type}): positions past it were never trained, and the loss would be "
+                f"computed on them silently. Fix: truncate the data to <= {limit} tokens (e.g. tokenizer(..., "
+                f"truncation=True, max_length={limit}) or SFTConfig(max_length={limit})), or extend the context "
+                "on purpose (set rope_scaling and max_position_embeddings in the model config before loading)."
+            )
 
     def _microbatch_key(self) -> int:
         group = self._group

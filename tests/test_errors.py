@@ -11,6 +11,7 @@ import torch
 
 from helpers import RandomTokens, tiny_model, training_args
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach
+from megatrain_hf.integrations.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -214,3 +215,47 @@ def test_requires_grad_changed_after_attach(tmp_path):
     model.model.layers[0].mlp.up_proj.weight.requires_grad_(False)
     with pytest.raises(ValueError, match=r"requires_grad changed after megatrain was attached.*before building the Trainer"):
         trainer.train()
+
+
+def test_empty_train_dataset_refused_with_a_clear_message(tmp_path):
+    class Empty(torch.utils.data.Dataset):
+        def __len__(self):
+            return 0
+
+        def __getitem__(self, i):
+            raise IndexError(i)
+
+    trainer = Trainer(model=tiny_model("llama"), args=training_args(tmp_path), train_dataset=Empty(),
+                      callbacks=[MegaTrainPlugin()])
+    with pytest.raises(ValueError, match=r"train_dataset \(Empty\) is empty: 0 examples"):
+        trainer.train()
+
+
+def test_sequence_longer_than_max_position_embeddings_refused():
+    model = tiny_model("llama")
+    engine = attach(model, device="cpu")
+    limit = model.config.max_position_embeddings
+    ids = torch.randint(0, 128, (1, limit + 1))
+    with pytest.raises(ValueError, match=rf"{limit + 1} tokens, more than the model's max_position_embeddings={limit}"):
+        model(input_ids=ids, labels=ids)
+    ok = ids[:, :limit]
+    model(input_ids=ok, labels=ok).loss.backward()  # at the limit: trains
+    with torch.no_grad():  # inference is HF's business (generation past the limit, rope scaling)
+        model(input_ids=ids)
+    engine.detach()
+
+
+def test_pinning_refused_by_the_driver_is_explained(monkeypatch):
+    from megatrain_hf.store import HostStore
+
+    class RefusingCudart:
+        def cudaHostRegister(self, ptr, size, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+        def cudaHostUnregister(self, ptr):
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingCudart())
+    model = tiny_model("llama")
+    with pytest.raises(RuntimeError, match=r"cudaHostRegister refused to pin .* \(error 2\).*pin_memory=False"):
+        HostStore(list(model.named_children())[:1], compute_dtype=torch.bfloat16, device=torch.device("cpu"), pin=True)

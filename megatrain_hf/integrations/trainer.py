@@ -216,6 +216,20 @@ class MegaTrainPlugin(TrainerCallback):
                 plugin._step_group = None  # drop the references to the step's batches
             return group.results[index]
 
+        original_get_train_dataloader = trainer.get_train_dataloader
+
+        def get_train_dataloader(self):
+            # Trainer's own message for this is the sampler's "num_samples should be a positive integer"
+            dataset = self.train_dataset
+            if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
+                raise ValueError(
+                    f"megatrain: train_dataset ({type(dataset).__name__}) is empty: 0 examples to train on. "
+                    "Fix: check the split and the filtering / packing that built it (e.g. examples longer than "
+                    "max_length dropped, a wrong split name)."
+                )
+            return original_get_train_dataloader()
+
+        trainer.get_train_dataloader = types.MethodType(get_train_dataloader, trainer)
         trainer.get_batch_samples = types.MethodType(get_batch_samples, trainer)
         trainer.training_step = types.MethodType(training_step, trainer)
         trainer.create_optimizer = types.MethodType(create_optimizer, trainer)
