@@ -303,3 +303,21 @@ def test_offloaded_checkpoints_keep_gpu_memory_flat_with_depth(tmp_path):
             f.write(json.dumps({"test": "offload_depth_memory", **report}) + "\n")
     assert grow_kept >= 0.8 * checkpoints, (grow_kept, checkpoints)
     assert grow_offloaded < 0.25 * checkpoints, (grow_offloaded, checkpoints)
+
+
+def test_bf16_resume_equals_uninterrupted_run(tmp_path):
+    """Resume from checkpoint-3 of a bf16 layer-major run (sharded optimizer state, RNG, scheduler,
+    data order) and end where the uninterrupted run ends, within the bf16 tolerances above."""
+    shape = {**SHAPE, "attention_dropout": 0.0}
+    args = dict(bf16=True, gradient_accumulation_steps=2, save_strategy="steps", save_steps=3)
+    full = tiny_model("llama", **shape)
+    init = state_of(full)
+    _, full_losses = train(full, _args(tmp_path / "run", **args), dataset=_data(), callbacks=[MegaTrainPlugin()])
+    resumed = tiny_model("llama", seed=123, **shape)  # another init: everything must come from the checkpoint
+    _, resumed_losses = train(resumed, _args(tmp_path / "run", **args), dataset=_data(), callbacks=[MegaTrainPlugin()],
+                              resume=str(tmp_path / "run" / "checkpoint-3"))
+    full_state = state_of(full)
+    _report("bf16_resume_llama", full_losses[6:], resumed_losses, full_state, state_of(resumed))
+    assert len(resumed_losses) == len(full_losses) - 6
+    assert_close_losses(full_losses[6:], resumed_losses, BF16_LOSS_ATOL)
+    assert_close_updates(init, full_state, state_of(resumed), BF16_UPDATE_RTOL)
