@@ -106,6 +106,12 @@ class _Group:
     backward_open: bool = False  # the group's one backward over all micro-batches is running
 
 
+def _active_peak(device: torch.device) -> int:
+    """Peak of the allocator's active bytes since the last reset (allocated if not reported)."""
+    stats = torch.cuda.memory_stats(device)
+    return int(stats.get("active_bytes.all.peak", stats.get("allocated_bytes.all.peak", 0)))
+
+
 class _StreamedUnit(torch.autograd.Function):
     """One unit call: output and a zero scalar *token* (layer-major ordering, see ``_anchor_for``)."""
 
@@ -185,10 +191,11 @@ class Engine:
         if config.offload_checkpoints:
             from .memory import DEFAULT_HEADROOM_BYTES, available_host_bytes
 
-            self.offload = CheckpointOffload(device, self.store.allocate, available_host_bytes,
+            self.offload = CheckpointOffload(device, self.store.allocate, self.store.free, available_host_bytes,
                                              DEFAULT_HEADROOM_BYTES, self.stats)
         self._chains: dict[int, weakref.ref] = {}  # micro-batch -> its last offloaded checkpoint
-        self._offload_per_microbatch: int | None = None  # host bytes of one micro-batch's checkpoints
+        self._offload_per_token: float | None = None  # host checkpoint bytes per token of a micro-batch
+        self._microbatch_tokens = 0  # the most tokens one training micro-batch has had
         self._host_fit_logged = False
         templates = TemplateCache()
         self.units: list[_Unit] = []
@@ -529,7 +536,10 @@ class Engine:
             seq = x.shape[-1] if x.dim() else 1
             self._check_sequence_length(seq)
             self.stats.tokens += x.numel()
+            self._microbatch_tokens = max(self._microbatch_tokens, x.numel())
             self.stats.useful_flops += x.numel() * (6.0 * self.trainable_params + self._attn_flops_per_seq * seq)
+        if u == 0:  # a micro-batch's forward starts: its checkpoints form a new chain
+            self._chains.pop(self._microbatch_key(), None)
         if not needs_graph:
             out = self._compute(call, x, self.streamer.fetch(u))
             self.streamer.prefetch(u + 1)
@@ -546,8 +556,6 @@ class Engine:
             call.cpu_rng = torch.get_rng_state()
             if dev_type == "cuda":
                 call.dev_rng = torch.cuda.get_rng_state(self.device)
-        if u == 0:  # a micro-batch's forward starts: its checkpoints form a new chain
-            self._chains.pop(self._microbatch_key(), None)
         out, token = _StreamedUnit.apply(self, call, self._anchor_for_call(), x)
         if self.offload is None:
             self._ckpt_bytes += x.numel() * x.element_size()  # the checkpoint this call keeps
@@ -623,12 +631,14 @@ class Engine:
         fraction = min(1.0, self.gpu_budget / total)
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
         self._undo.append(lambda: torch.cuda.set_per_process_memory_fraction(1.0, self.device))
-        # Planned on allocated bytes, with _BUDGET_MARGIN left for fragmentation. Not on reserved:
+        # Planned on active bytes (allocated, plus blocks freed but still read by another stream,
+        # e.g. inputs whose checkpoint copy is pending), with _BUDGET_MARGIN left for
+        # fragmentation. Not on reserved:
         # under a cap the caching allocator keeps freed blocks until an allocation fails, so what
         # it holds drifts up to the cap whatever the step needs (7B, 24 GiB, one micro-batch in
         # flight: 8.6 GiB allocated, 22.7 GiB reserved) and would never let a second one in.
         # Blocks cached before the cap (e.g. a model initialised on the GPU) are released first.
-        self._peak_source = lambda: torch.cuda.max_memory_allocated(self.device)
+        self._peak_source = lambda: _active_peak(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         logger.info("megatrain: GPU memory capped at %.2f GiB (%.1f%% of %s)", self.gpu_budget / 2**30,
@@ -669,27 +679,28 @@ class Engine:
         """
         if self.offload is None:
             return k
-        if self._offload_per_microbatch is None:
+        if self._offload_per_token is None:
             return 1
         from .memory import DEFAULT_HEADROOM_BYTES, available_host_bytes
 
         capacity = self.offload.pool_bytes + available_host_bytes() - DEFAULT_HEADROOM_BYTES
-        fits = max(1, capacity // max(1, self._offload_per_microbatch))
+        per_microbatch = max(1, int(self._offload_per_token * self._microbatch_tokens))
+        fits = max(1, capacity // per_microbatch)
         if fits < k:
-            self._log_host_fit_once(fits, k)
+            self._log_host_fit_once(fits, k, per_microbatch)
         return fits
 
-    def _log_host_fit_once(self, fits: int, k: int) -> None:
+    def _log_host_fit_once(self, fits: int, k: int, per_microbatch: int) -> None:
         if not self._host_fit_logged:
             self._host_fit_logged = True
             logger.info("megatrain: host RAM holds the offloaded checkpoints of %d of the step's %d micro-batches "
-                        "(%.2f GiB each); the step runs in groups of %d", fits, k,
-                        self._offload_per_microbatch / 2**30, fits)
+                        "(%.2f GiB each); the step runs in groups of %d", fits, k, per_microbatch / 2**30, fits)
 
     def observe_step(self, microbatches: int) -> None:
         """After an optimizer step of ``microbatches``: its GPU peak and checkpoint bytes per micro-batch."""
-        if self.offload is not None and self._offload_per_microbatch is None and microbatches > 0:
-            self._offload_per_microbatch = self.offload.pool_bytes  # the step ran one at a time
+        if self.offload is not None and self._offload_per_token is None and microbatches > 0 and self._microbatch_tokens:
+            # the first step ran one micro-batch at a time: its peak is one micro-batch's checkpoints
+            self._offload_per_token = self.offload.peak_in_use_bytes / self._microbatch_tokens
         nbytes, self._ckpt_bytes = self._ckpt_bytes, 0
         if self._peak_source is None or microbatches <= 0 or len(self._peaks) >= 2:
             return  # two group sizes measured: the plan is set, peak statistics are left alone

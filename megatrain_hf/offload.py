@@ -8,21 +8,29 @@ next one autograd needs from that micro-batch) starts its upload. GPU memory the
 with depth or with the micro-batches in flight; host RAM pays for the checkpoints instead.
 
 The copies are exact (same dtype both ways). One stream carries both directions, so a host
-buffer handed back to the pool after its upload is never overwritten by a later download before
-that upload has read it. Buffers are reused across steps (a pool by size); the pool grows only
-when a step keeps more checkpoints alive than any step before, and then checks the RAM first.
+buffer handed back to the pool (when its checkpoint object goes, after the backward) is never
+overwritten by a later download before the upload from it has run. Buffers are reused across
+steps, best fit by size, so that batches padded to different lengths share them; the pool grows
+only when more checkpoints are alive than ever before (after checking the RAM, and after
+unpinning free buffers too small to serve). The compute stream runs at most ``MAX_PENDING``
+copies ahead of the downloads: the inputs waiting for their copy would otherwise pile up on the
+GPU when the link is slower than a layer's compute. An input changed in place before its copy
+ran is refused, as ``save_for_backward`` refuses it.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import weakref
-from collections import defaultdict
+from collections import deque
 from typing import Callable
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+MAX_PENDING = 4  # downloads the compute stream may run ahead of
 
 
 def _size(nbytes: int) -> str:
@@ -45,23 +53,34 @@ class CheckpointOffload:
     """A pool of pinned host buffers and the stream that moves checkpoints through them."""
 
     def __init__(self, device: torch.device, allocate: Callable[[int, torch.dtype], torch.Tensor],
-                 available_bytes: Callable[[], int], headroom_bytes: int, stats) -> None:
+                 free: Callable[[torch.Tensor], None], available_bytes: Callable[[], int], headroom_bytes: int,
+                 stats) -> None:
         self.device = device
         self.stats = stats  # the engine's: checkpoint bytes count as link traffic
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self._allocate = allocate
+        self._allocate, self._free_flat = allocate, free
         self._available_bytes = available_bytes
         self._headroom = headroom_bytes
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = defaultdict(list)
+        self._free: dict[torch.dtype, list[tuple[int, int, torch.Tensor]]] = {}  # sorted by size
+        self._pending: deque = deque()  # (copied event, input, its version) of downloads in flight
         self.pool_bytes = 0  # host bytes the pool holds (in use or free)
+        self.in_use_bytes = 0  # ... held by live checkpoints
+        self.peak_in_use_bytes = 0  # the most held at once since reset_peak()
 
     # ------------------------------------------------------------------ pool
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        free = self._free[(numel, dtype)]
-        if free:
-            return free.pop()
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        free = self._free.setdefault(dtype, [])
+        i = bisect.bisect_left(free, (numel, -1))  # the smallest free buffer that is large enough
+        if i < len(free):
+            return free.pop(i)[2]
+        size = torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * size
+        if self._available_bytes() - self._headroom < nbytes:
+            for _, _, small in free:  # too small for this shape: unpin them and try again
+                self._free_flat(small)
+                self.pool_bytes -= small.numel() * size
+            free.clear()
         available = self._available_bytes()
         if available - self._headroom < nbytes:
             raise MemoryError(
@@ -74,26 +93,54 @@ class CheckpointOffload:
         self.pool_bytes += nbytes
         return self._allocate(numel, dtype)
 
-    def _give_back(self, host: torch.Tensor) -> None:
-        self._free[(host.numel(), host.dtype)].append(host)
+    def _give_back(self, host: torch.Tensor, nbytes: int) -> None:
+        bisect.insort(self._free.setdefault(host.dtype, []), (host.numel(), id(host), host))
+        self.in_use_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak_in_use_bytes = self.in_use_bytes
+
+    def _retire(self, force: int = 0) -> None:
+        """Forget downloads that ended (the first ``force`` ones: make the compute stream wait for them),
+        checking that no input changed in place while its copy was pending."""
+        compute = torch.cuda.current_stream(self.device)
+        while self._pending and (force > 0 or self._pending[0][0].query()):
+            copied, x, version = self._pending.popleft()
+            if force > 0:
+                compute.wait_event(copied)
+                force -= 1
+            if x._version != version:
+                raise RuntimeError(
+                    "megatrain: a layer's input was modified in place after the layer used it, before its "
+                    "activation checkpoint was copied to the host (offload_checkpoints=True); autograd would "
+                    "refuse the same with save_for_backward. Do not modify hidden states in place."
+                )
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, x: torch.Tensor, prev: Checkpoint | None) -> Checkpoint:
         """Start copying ``x`` to a pooled host buffer; ``x`` may be freed right after."""
-        host = self._take(x.numel(), x.dtype)
+        buffer = self._take(x.numel(), x.dtype)
+        host = buffer[: x.numel()]
         if self.cuda:
+            self._retire(force=max(0, len(self._pending) + 1 - MAX_PENDING))
             compute = torch.cuda.current_stream(self.device)
             self.stream.wait_stream(compute)  # x is written on the compute stream
             with torch.cuda.stream(self.stream):
                 host.copy_(x.detach().reshape(-1), non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self.stream)
             x.record_stream(self.stream)  # the allocator must not reuse x before the copy read it
+            self._pending.append((copied, x, x._version))
         else:
             host.copy_(x.detach().reshape(-1))
-        self.stats.d2h_bytes += host.numel() * host.element_size()
+        nbytes = host.numel() * host.element_size()
+        self.stats.d2h_bytes += nbytes
+        self.in_use_bytes += nbytes
+        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         ckpt = Checkpoint(host, x, prev)
         # a checkpoint dropped without a backward (a failed step, a graph freed unused) still
         # returns its buffer: a later download on the same stream waits for the pending one
-        weakref.finalize(ckpt, self._give_back, host)
+        weakref.finalize(ckpt, self._give_back, buffer, nbytes)
         return ckpt
 
     def prefetch(self, ckpt: Checkpoint | None) -> None:
@@ -114,8 +161,13 @@ class CheckpointOffload:
     def load(self, ckpt: Checkpoint) -> torch.Tensor:
         """The checkpoint on the device, usable on the current stream; its host buffer is released."""
         if ckpt.host is None:
-            raise RuntimeError("megatrain: an offloaded activation checkpoint was loaded twice (backward ran twice "
-                               "over the same graph; retain_graph=True is not supported with offload_checkpoints)")
+            raise RuntimeError(
+                "megatrain: an offloaded activation checkpoint was used by a second backward over the same "
+                "graph (retain_graph=True, or torch.autograd.grad before backward); offload_checkpoints "
+                "supports one backward per forward"
+            )
+        if self.cuda:
+            self._retire()
         self.prefetch(ckpt)
         dev, ready = ckpt.device_copy
         if ready is not None:

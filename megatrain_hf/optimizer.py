@@ -143,6 +143,8 @@ class HostAdamW(torch.optim.Optimizer):
                     for key in ("exp_avg", "exp_avg_sq"):
                         if key in src:
                             self.state[e.tensor][key].copy_(src[key].reshape(e.shape))
+                        else:  # no saved state: a fresh start, as torch's AdamW would make
+                            self.state[e.tensor][key].zero_()
 
     def _build_state_views(self) -> None:
         for u, groups in self._plan.items():

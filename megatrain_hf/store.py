@@ -383,6 +383,14 @@ class HostStore:
             param.grad.add_(grad.detach().to(param.grad.device, param.grad.dtype).view(entry.shape))
 
     # ------------------------------------------------------------------ teardown
+    def free(self, flat: torch.Tensor) -> None:
+        """Unpin a flat from :meth:`allocate` that nothing uses any more (its memory goes back to malloc)."""
+        for i, registered in enumerate(self._registered):
+            if registered is flat:
+                del self._registered[i]
+                torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
+                return
+
     def release(self) -> None:
         """Unpin the buffers. The parameters keep aliasing them (they stay valid host memory)."""
         _unregister(self._registered)

@@ -70,9 +70,9 @@ def test_groups_shrink_to_what_host_ram_holds(tmp_path, monkeypatch):
 
     def available() -> int:
         engine = engine_of(model)
-        per = engine._offload_per_microbatch if engine is not None else None
-        if per is None:
+        if engine is None or engine._offload_per_token is None:
             return 1 << 40
+        per = int(engine._offload_per_token * engine._microbatch_tokens)
         return memory.DEFAULT_HEADROOM_BYTES + 2 * per - engine.offload.pool_bytes
 
     monkeypatch.setattr(memory, "available_host_bytes", available)
@@ -110,10 +110,51 @@ def test_pool_reuses_buffers_and_gets_them_back_from_dropped_graphs():
     assert sum(len(v) for v in pool._free.values()) == 0  # its checkpoints hold every buffer
     del loss
     gc.collect()
-    assert sum(b.numel() * b.element_size() for v in pool._free.values() for b in v) == after_one
+    assert sum(b.numel() * b.element_size() for v in pool._free.values() for _, _, b in v) == after_one
+    assert pool.in_use_bytes == 0
     model.zero_grad()
     _loss(model).backward()
     assert pool.pool_bytes == after_one
+    engine.detach()
+
+
+def test_batches_of_other_lengths_reuse_the_pool():
+    """Padded batches change length from step to step: the pool serves shorter checkpoints from
+    larger buffers (best fit) and grows only when a longer batch needs more."""
+    model = tiny_model("llama", attention_dropout=0.0)
+    engine = attach(model, MegaTrainConfig(offload_checkpoints=True), device="cpu")
+    pool = engine.offload
+
+    def step(length: int) -> None:
+        ids = torch.randint(0, 128, (2, length), generator=torch.Generator().manual_seed(length))
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    step(32)
+    longest = pool.pool_bytes
+    for length in (8, 31, 17, 32, 9, 24):
+        step(length)
+    assert pool.pool_bytes == longest  # every shorter batch fitted in the buffers of the longest
+    step(40)
+    assert pool.pool_bytes > longest
+    engine.detach()
+
+
+def test_short_ram_unpins_free_buffers_that_are_too_small(monkeypatch):
+    model = tiny_model("llama", attention_dropout=0.0)
+    engine = attach(model, MegaTrainConfig(offload_checkpoints=True), device="cpu")
+    pool = engine.offload
+    ids = torch.randint(0, 128, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    small = pool.pool_bytes
+    freed = []
+    monkeypatch.setattr(pool, "_free_flat", freed.append)
+    room = pool._headroom + 9 * small // 2  # the longer batch fits only once the short buffers are gone
+    monkeypatch.setattr(pool, "_available_bytes", lambda: room - pool.pool_bytes)
+    long_ids = torch.randint(0, 128, (2, 32))
+    model.zero_grad()
+    model(input_ids=long_ids, labels=long_ids).loss.backward()
+    assert len(freed) == 4 and pool.pool_bytes == 4 * small  # 4 buffers of the 4x longer batch
     engine.detach()
 
 
@@ -122,7 +163,7 @@ def test_backward_twice_over_one_graph_is_refused():
     engine = attach(model, MegaTrainConfig(offload_checkpoints=True), device="cpu")
     loss = _loss(model)
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="retain_graph=True is not supported with offload_checkpoints"):
+    with pytest.raises(RuntimeError, match="used by a second backward over the same graph"):
         loss.backward()
     engine.detach()
 
