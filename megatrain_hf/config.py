@@ -111,12 +111,15 @@ class MegaTrainConfig:
     logs). One micro-batch at a time is the floor: if that does not fit, reduce the micro-batch or
     the sequence length, or set `offload_checkpoints=True`."""
 
-    offload_checkpoints: bool = False
+    offload_checkpoints: bool | str = "auto"
     """Keep each layer's activation checkpoint (its fp32 input, `tokens x hidden x 4` bytes) in
     pinned host memory between forward and backward instead of on the GPU: copied down while the
     next layer computes, brought back ahead of its backward. GPU memory then stays flat with depth
     and with the micro-batches in flight; host RAM holds `(layers + 2) x micro-batches in flight x
-    tokens x hidden x 4` bytes more, and the link carries them twice. Exact (same bytes back)."""
+    tokens x hidden x 4` bytes more, and the link carries them twice. Exact (same bytes back).
+    `"auto"`: off, unless `max_gpu_memory`'s plan fits fewer micro-batches per group than the
+    step has and the host RAM can take the checkpoints of two; then on (logged), and the budget
+    measures again."""
 
     check_host_memory: bool = True
     """Before allocating, compare the host bytes the plan needs with the RAM available and raise
@@ -160,9 +163,9 @@ class MegaTrainConfig:
             raise ValueError(
                 f"MegaTrainConfig.layer_major={self.layer_major!r}; allowed: True, False or 'auto'."
             )
-        if not isinstance(self.offload_checkpoints, bool):
+        if self.offload_checkpoints not in (True, False, "auto"):
             raise ValueError(
-                f"MegaTrainConfig.offload_checkpoints={self.offload_checkpoints!r}; allowed: True or False."
+                f"MegaTrainConfig.offload_checkpoints={self.offload_checkpoints!r}; allowed: True, False or 'auto'."
             )
         if self.pin_memory not in (True, False, "auto"):
             raise ValueError(

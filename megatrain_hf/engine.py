@@ -188,11 +188,8 @@ class Engine:
         self.streamer = Streamer(self.store, device, self.stats)
         self.grads = GradSink(self.store, device, self.stats, host_threads=self.host_threads)
         self.offload: CheckpointOffload | None = None
-        if config.offload_checkpoints:
-            from .memory import DEFAULT_HEADROOM_BYTES, available_host_bytes
-
-            self.offload = CheckpointOffload(device, self.store.allocate, self.store.free, available_host_bytes,
-                                             DEFAULT_HEADROOM_BYTES, self.stats)
+        if config.offload_checkpoints is True:
+            self._start_offload()
         self._chains: dict[int, weakref.ref] = {}  # micro-batch -> its last offloaded checkpoint
         self._offload_per_token: float | None = None  # host checkpoint bytes per token of a micro-batch
         self._microbatch_tokens = 0  # the most tokens one training micro-batch has had
@@ -569,6 +566,28 @@ class Engine:
             self.grads.count_call(u)
         return out
 
+    def _start_offload(self) -> None:
+        from .memory import DEFAULT_HEADROOM_BYTES, available_host_bytes
+
+        self.offload = CheckpointOffload(self.device, self.store.allocate, self.store.free, available_host_bytes,
+                                         DEFAULT_HEADROOM_BYTES, self.stats)
+
+    def _offload_instead(self, fits: int, k: int) -> bool:
+        """``offload_checkpoints="auto"``: the budget fits ``fits`` < ``k``; offload if the host can hold
+        two micro-batches' checkpoints, and measure again (the next steps run one, then two)."""
+        if self.config.offload_checkpoints != "auto" or self.offload is not None or self._per_microbatch <= 0:
+            return False
+        from .memory import DEFAULT_HEADROOM_BYTES, available_host_bytes
+
+        if available_host_bytes() - DEFAULT_HEADROOM_BYTES < 2 * self._per_microbatch:
+            return False
+        logger.info("megatrain: max_gpu_memory fits %d of the step's %d micro-batches with the activation "
+                    "checkpoints on the GPU; offloading them to host memory (%.2f GiB per micro-batch) and "
+                    "measuring again", fits, k, self._per_microbatch / 2**30)
+        self._start_offload()
+        self._peaks, self._per_microbatch = {}, 0
+        return True
+
     def _check_sequence_length(self, seq: int) -> None:
         limit = self._max_positions
         if isinstance(limit, int) and seq > limit:
@@ -669,6 +688,8 @@ class Engine:
         fits = int((self._BUDGET_MARGIN * self.gpu_budget - base) // per)
         if len(self._peaks) == 1:
             fits = min(fits, 2)
+        elif fits < k and self._offload_instead(max(1, fits), k):
+            return 1
         return max(1, min(k, fits))
 
     def _host_fit(self, k: int) -> int:

@@ -251,7 +251,7 @@ def test_resume_equals_uninterrupted_run_layer_major(tmp_path, group_calls):
 def test_gpu_budget_sizes_the_groups(tmp_path, group_calls, budget, expected):
     """max_gpu_memory: step 1 runs its micro-batches one at a time and measures; later steps run as
     many per group as the budget allows (the GPU peak is simulated here: CPU)."""
-    trainer, model = _trainer(Trainer, tmp_path, 4, max_gpu_memory="1GiB")
+    trainer, model = _trainer(Trainer, tmp_path, 4, max_gpu_memory="1GiB", offload_checkpoints=False)
     engine = engine_of(model)
     engine.gpu_budget, engine._peak_source = budget, lambda: 5_000
     trainer.train()
@@ -269,7 +269,7 @@ def test_gpu_budget_keeps_exactness(tmp_path):
     _, ref_losses = train(ref, training_args(tmp_path / "ref", **args))
     model = tiny_model("llama", attention_dropout=0.0)
     trainer = Trainer(model=model, args=training_args(tmp_path / "mt", **args), train_dataset=RandomTokens(),
-                      callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB")])
+                      callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB", offload_checkpoints=False)])
     engine = engine_of(model)
     per_microbatch = 16 * 2 * 8 + 16 * 2 * 4 * 64 * (len(engine.units) - 1)
     engine.gpu_budget = int((1000 + 2.5 * per_microbatch) / engine._BUDGET_MARGIN)
@@ -286,7 +286,7 @@ def test_gpu_budget_measures_per_microbatch_growth_and_frozen_embeddings(tmp_pat
     model = peft.get_peft_model(tiny_model("llama", attention_dropout=0.0),
                                 peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     trainer = Trainer(model=model, args=training_args(tmp_path, gradient_accumulation_steps=4),
-                      train_dataset=RandomTokens(), callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB")])
+                      train_dataset=RandomTokens(), callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB", offload_checkpoints=False)])
     engine = engine_of(model)
     ckpt = 16 * 2 * 4 * 64 * (len(engine.units) - 1)  # per micro-batch; unit 0 (frozen) saves nothing
     engine.gpu_budget = int((10_000 + 7 * ckpt) / engine._BUDGET_MARGIN)  # fits 2 of the real growth, 6 of the naive
@@ -304,7 +304,7 @@ def test_gpu_budget_after_a_one_microbatch_step(tmp_path, group_calls):
     trainer = Trainer(model=model, args=training_args(tmp_path, gradient_accumulation_steps=4, max_steps=-1,
                                                       num_train_epochs=3),
                       train_dataset=RandomTokens(n=18),  # 9 micro-batches per epoch: 4, 4, 1
-                      callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB")])
+                      callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB", offload_checkpoints=False)])
     engine = engine_of(model)
     per = 16 * 2 * 8 + 16 * 2 * 4 * 64 * (len(engine.units) - 1)
     engine.gpu_budget = int((1000 + 2.5 * per) / engine._BUDGET_MARGIN)  # 2 fit, 3 do not

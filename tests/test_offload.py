@@ -178,5 +178,34 @@ def test_short_host_ram_is_refused_with_the_fix(monkeypatch):
 
 
 def test_offload_checkpoints_must_be_a_bool():
-    with pytest.raises(ValueError, match="offload_checkpoints='yes'; allowed: True or False"):
+    with pytest.raises(ValueError, match="offload_checkpoints=.yes.; allowed: True, False or .auto."):
         MegaTrainConfig(offload_checkpoints="yes")
+
+
+def test_auto_offload_when_the_gpu_budget_is_short(tmp_path, monkeypatch):
+    """offload_checkpoints="auto" under max_gpu_memory: the budget's plan fits 2 of 4 micro-batches
+    with the checkpoints on the GPU, so the engine offloads them, measures again (one, then two at
+    a time) and then runs all 4 per group; training stays exact (GPU peaks simulated on the CPU)."""
+    from megatrain_hf import Engine
+    from megatrain_hf.integrations.trainer import Trainer
+    from helpers import RandomTokens
+
+    groups = []
+    original = Engine.run_layer_major
+    monkeypatch.setattr(Engine, "run_layer_major", lambda self, fns: groups.append(len(fns)) or original(self, fns))
+    args = dict(gradient_accumulation_steps=4, max_steps=8)
+    ref = tiny_model("llama", attention_dropout=0.0)
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", **args))
+    model = tiny_model("llama", attention_dropout=0.0)
+    trainer = Trainer(model=model, args=training_args(tmp_path / "mt", **args), train_dataset=RandomTokens(),
+                      callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB", offload_checkpoints="auto")])
+    engine = engine_of(model)
+    per = 16 * 2 * 8 + 16 * 2 * 4 * 64 * (len(engine.units) - 1)
+    engine.gpu_budget = int((1000 + 2.5 * per) / engine._BUDGET_MARGIN)  # 2 fit with the checkpoints kept
+    # kept: each micro-batch in flight adds its checkpoints; offloaded: a tenth of that
+    engine._peak_source = lambda: 1000 + (engine.in_flight or 1) * (per if engine.offload is None else per // 10)
+    trainer.train()
+    assert engine.offload is not None and engine.offload.pool_bytes > 0
+    # calibrate (1, 2), plan: 2 fit -> offload, calibrate again (1, 2), then all 4 per group
+    assert groups == [1] * 4 + [2] * 2 + [1] * 4 + [2] * 2 + [4] * 4, groups
+    assert_close_params(state_of(ref), state_of(model), 5e-6)

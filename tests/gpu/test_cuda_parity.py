@@ -210,16 +210,20 @@ def _fp32_parity(tmp_path, name: str, shape: dict, data, args: dict, plugin: Meg
     return trainer, model
 
 
-def test_gpu_budget_caps_memory_and_sizes_groups(tmp_path):
+@pytest.mark.parametrize("offload", [False, "auto"])
+def test_gpu_budget_caps_memory_and_sizes_groups(tmp_path, offload):
     """max_gpu_memory below what 4 micro-batches in flight take: the engine caps the allocator
     (set_per_process_memory_fraction), runs step 1 one micro-batch at a time, step 2 at most two,
-    then as many per group as fit; the run finishes under the cap and matches plain Trainer."""
+    then as many per group as fit; the run finishes under the cap and matches plain Trainer.
+    With offload_checkpoints="auto" the plan (3 of 4) makes it offload the checkpoints, measure
+    again (steps 3 and 4) and then run all 4 micro-batches per group."""
     import gc
 
     shape = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=8, vocab_size=1024, max_position_embeddings=512, attention_dropout=0.0)
     data = RandomTokens(n=96, seq=512, vocab=1024)
-    args = dict(bf16=True, gradient_accumulation_steps=4, per_device_train_batch_size=4, max_steps=4)
+    args = dict(bf16=True, gradient_accumulation_steps=4, per_device_train_batch_size=4,
+                max_steps=4 if offload is False else 6)
 
     ref = tiny_model("llama", **shape)
     init = state_of(ref)
@@ -245,11 +249,14 @@ def test_gpu_budget_caps_memory_and_sizes_groups(tmp_path):
     try:
         torch.cuda.reset_peak_memory_stats()
         _, losses = train(model, _args(tmp_path / "mt", **args), dataset=data,
-                          callbacks=[MegaTrainPlugin(max_gpu_memory=budget)])
+                          callbacks=[MegaTrainPlugin(max_gpu_memory=budget, offload_checkpoints=offload)])
         engine = engine_of(model)
         peak = max(torch.cuda.max_memory_reserved(), engine.max_peak_reserved)
-        _report("gpu_budget", ref_losses, losses, ref_state, state_of(model))
-        assert 1 <= engine.in_flight < 4, engine.in_flight  # step 1: 1, step 2: <= 2, then what fits
+        _report(f"gpu_budget_offload={offload}", ref_losses, losses, ref_state, state_of(model))
+        if offload is False:
+            assert 1 <= engine.in_flight < 4, engine.in_flight  # step 1: 1, step 2: <= 2, then what fits
+        else:
+            assert engine.offload is not None and engine.in_flight == 4, engine.in_flight
         assert peak <= budget, (peak, budget, need)
         assert_close_losses(ref_losses, losses, BF16_LOSS_ATOL)
         assert_close_updates(init, ref_state, state_of(model), BF16_UPDATE_RTOL)
