@@ -163,7 +163,7 @@ class MegaTrainConfig:
             raise ValueError(
                 f"MegaTrainConfig.layer_major={self.layer_major!r}; allowed: True, False or 'auto'."
             )
-        if self.offload_checkpoints not in (True, False, "auto"):
+        if not (isinstance(self.offload_checkpoints, bool) or self.offload_checkpoints == "auto"):
             raise ValueError(
                 f"MegaTrainConfig.offload_checkpoints={self.offload_checkpoints!r}; allowed: True, False or 'auto'."
             )

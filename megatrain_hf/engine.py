@@ -106,6 +106,16 @@ class _Group:
     backward_open: bool = False  # the group's one backward over all micro-batches is running
 
 
+def _position_limit(config) -> int | None:
+    """``max_position_embeddings`` when it bounds the trained positions; None without it, or when
+    rope scaling (YaRN, linear, dynamic, ...) extends the context on purpose."""
+    limit = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        return None
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
 def _active_peak(device: torch.device) -> int:
     """Peak of the allocator's active bytes since the last reset (allocated if not reported)."""
     stats = torch.cuda.memory_stats(device)
@@ -209,7 +219,7 @@ class Engine:
         layers = getattr(text_config, "num_hidden_layers", 0) or 0
         hidden = getattr(text_config, "hidden_size", 0) or 0
         self._attn_flops_per_seq = 12.0 * layers * hidden
-        self._max_positions = getattr(text_config, "max_position_embeddings", None)
+        self._max_positions = _position_limit(text_config)
         self._model_type = getattr(text_config, "model_type", "?")
         self.anchor = torch.zeros((), device=device, requires_grad=True)
         self._end_queued = None  # graph-task id of the pass whose end callback is queued
@@ -335,6 +345,11 @@ class Engine:
         self._set_instance_attr(base, "hf_device_map", device_map)
         hook = base.register_state_dict_pre_hook(lambda *args, **kwargs: self.synchronize())
         self._undo.append(hook.remove)
+
+        if self._max_positions is not None:
+            decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
+            hook = decoder.register_forward_pre_hook(self._check_sequence_length, with_kwargs=True)
+            self._undo.append(hook.remove)
         original_zero_grad = base.zero_grad
 
         def zero_grad(set_to_none: bool = True) -> None:
@@ -531,7 +546,6 @@ class Engine:
         call = _Call(u, rest, kwargs, key, kernel=kernel)
         if u == 0 and unit.module.training and torch.is_grad_enabled() and not x.is_floating_point():
             seq = x.shape[-1] if x.dim() else 1
-            self._check_sequence_length(seq)
             self.stats.tokens += x.numel()
             self._microbatch_tokens = max(self._microbatch_tokens, x.numel())
             self.stats.useful_flops += x.numel() * (6.0 * self.trainable_params + self._attn_flops_per_seq * seq)
@@ -586,11 +600,28 @@ class Engine:
                     "measuring again", fits, k, self._per_microbatch / 2**30)
         self._start_offload()
         self._peaks, self._per_microbatch = {}, 0
+        self._microbatch_tokens = 0  # the host measurement divides by the switch step's tokens
+        if self.device.type == "cuda":  # the new measurements start from here
+            self.max_peak_allocated = max(self.max_peak_allocated, torch.cuda.max_memory_allocated(self.device))
+            self.max_peak_reserved = max(self.max_peak_reserved, torch.cuda.max_memory_reserved(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
         return True
 
-    def _check_sequence_length(self, seq: int) -> None:
+    def _check_sequence_length(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """Forward pre-hook of the decoder: a training call's sequence must fit the positions the model
+        was built for, unless it passes ``position_ids`` (packed documents restart them)."""
+        if not (module.training and torch.is_grad_enabled()) or kwargs.get("position_ids") is not None:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        if isinstance(ids, torch.Tensor) and ids.dim():
+            seq = ids.shape[-1]
+        elif isinstance(embeds, torch.Tensor) and embeds.dim() >= 2:
+            seq = embeds.shape[-2]
+        else:
+            return
         limit = self._max_positions
-        if isinstance(limit, int) and seq > limit:
+        if seq > limit:
             raise ValueError(
                 f"megatrain: a training sequence has {seq} tokens, more than the model's max_position_embeddings="
                 f"{limit} ({self._model_type}): positions past it were never trained, and the loss would be "
@@ -685,11 +716,15 @@ class Engine:
         if per <= 0:
             return k if len(self._peaks) > 1 else min(k, 2)
         base = self._peaks[low] - low * per
-        fits = int((self._BUDGET_MARGIN * self.gpu_budget - base) // per)
+        room = self._BUDGET_MARGIN * self.gpu_budget - base
+        fits = int(room // per)
+        if fits < k:  # one measurement over-estimates what fits, so fewer than k is certain already
+            rest = per - self._per_microbatch  # what a micro-batch would still add with offloaded checkpoints
+            with_offload = k if rest <= 0 else int(room // rest)
+            if with_offload > max(1, fits) and self._offload_instead(max(1, fits), k):
+                return 1
         if len(self._peaks) == 1:
             fits = min(fits, 2)
-        elif fits < k and self._offload_instead(max(1, fits), k):
-            return 1
         return max(1, min(k, fits))
 
     def _host_fit(self, k: int) -> int:

@@ -242,6 +242,21 @@ def test_sequence_longer_than_max_position_embeddings_refused():
     model(input_ids=ok, labels=ok).loss.backward()  # at the limit: trains
     with torch.no_grad():  # inference is HF's business (generation past the limit, rope scaling)
         model(input_ids=ids)
+    # packed documents restart their positions: explicit position_ids stay within the limit
+    positions = torch.cat([torch.arange(limit), torch.arange(1)]).unsqueeze(0)
+    model(input_ids=ids, labels=ids, position_ids=positions).loss.backward()
+    with pytest.raises(ValueError, match="max_position_embeddings"):  # and the next plain call is checked again
+        model(input_ids=ids, labels=ids)
+    engine.detach()
+
+
+def test_rope_scaled_models_may_train_past_max_position_embeddings():
+    """rope scaling (here linear x2) extends the context on purpose: no refusal."""
+    model = tiny_model("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
+    assert model.config.rope_parameters["rope_type"] == "linear"
+    engine = attach(model, device="cpu")
+    ids = torch.randint(0, 128, (1, model.config.max_position_embeddings + 8))
+    model(input_ids=ids, labels=ids).loss.backward()
     engine.detach()
 
 

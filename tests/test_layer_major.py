@@ -397,8 +397,10 @@ def test_trl_sft_trainer_layer_major(tmp_path, group_calls):
 
     def run(out, callbacks):
         model = tiny_model("llama", attention_dropout=0.0)
+        # 2 micro-batches: the device sums add in plain accumulation's order whatever the threads'
+        # timing (with 3, autograd may order the head's sums differently under load; see the top)
         config = trl.SFTConfig(output_dir=str(out), max_steps=3, per_device_train_batch_size=2,
-                               gradient_accumulation_steps=3, learning_rate=2e-3, report_to=[], use_cpu=True,
+                               gradient_accumulation_steps=2, learning_rate=2e-3, report_to=[], use_cpu=True,
                                logging_steps=1, disable_tqdm=True, save_strategy="no", seed=0, data_seed=0,
                                dataset_kwargs={"skip_prepare_dataset": True})
         trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
@@ -408,7 +410,7 @@ def test_trl_sft_trainer_layer_major(tmp_path, group_calls):
 
     _, ref, ref_losses = run(tmp_path / "ref", [])
     trainer, model, losses = run(tmp_path / "mt", [MegaTrainPlugin()])
-    assert group_calls == [3, 3, 3] and not engine_of(model).chunked_loss_active
+    assert group_calls == [2, 2, 2] and not engine_of(model).chunked_loss_active
     assert "mean_token_accuracy" in trainer.state.log_history[0]  # TRL's metrics from the logits
     assert_close_losses(ref_losses, losses, ATOL)
     assert_close_params(state_of(ref), state_of(model), ATOL_PARAMS)

@@ -180,12 +180,15 @@ def test_short_host_ram_is_refused_with_the_fix(monkeypatch):
 def test_offload_checkpoints_must_be_a_bool():
     with pytest.raises(ValueError, match="offload_checkpoints=.yes.; allowed: True, False or .auto."):
         MegaTrainConfig(offload_checkpoints="yes")
+    with pytest.raises(ValueError, match="allowed: True, False or 'auto'"):
+        MegaTrainConfig(offload_checkpoints=1)  # not a bool: would silently mean off
 
 
 def test_auto_offload_when_the_gpu_budget_is_short(tmp_path, monkeypatch):
-    """offload_checkpoints="auto" under max_gpu_memory: the budget's plan fits 2 of 4 micro-batches
-    with the checkpoints on the GPU, so the engine offloads them, measures again (one, then two at
-    a time) and then runs all 4 per group; training stays exact (GPU peaks simulated on the CPU)."""
+    """offload_checkpoints="auto" under max_gpu_memory: the first measurement plans 2 of 4
+    micro-batches with the checkpoints on the GPU (all 4 without them), so the engine offloads them,
+    measures again (one, then two at a time) and then runs all 4 per group; training stays exact
+    (GPU peaks simulated on the CPU)."""
     from megatrain_hf import Engine
     from megatrain_hf.integrations.trainer import Trainer
     from helpers import RandomTokens
@@ -206,6 +209,6 @@ def test_auto_offload_when_the_gpu_budget_is_short(tmp_path, monkeypatch):
     engine._peak_source = lambda: 1000 + (engine.in_flight or 1) * (per if engine.offload is None else per // 10)
     trainer.train()
     assert engine.offload is not None and engine.offload.pool_bytes > 0
-    # calibrate (1, 2), plan: 2 fit -> offload, calibrate again (1, 2), then all 4 per group
-    assert groups == [1] * 4 + [2] * 2 + [1] * 4 + [2] * 2 + [4] * 4, groups
+    # step 1 measures (one at a time): 2 of 4 fit -> offload; measure again (1, then 2); then all 4
+    assert groups == [1] * 4 + [1] * 4 + [2] * 2 + [4] * 5, groups
     assert_close_params(state_of(ref), state_of(model), 5e-6)

@@ -220,8 +220,10 @@ class MegaTrainPlugin(TrainerCallback):
 
         def get_train_dataloader(self):
             # Trainer's own message for this is the sampler's "num_samples should be a positive integer"
+            from transformers.trainer_utils import has_length
+
             dataset = self.train_dataset
-            if dataset is not None and hasattr(dataset, "__len__") and len(dataset) == 0:
+            if dataset is not None and has_length(dataset) and len(dataset) == 0:
                 raise ValueError(
                     f"megatrain: train_dataset ({type(dataset).__name__}) is empty: 0 examples to train on. "
                     "Fix: check the split and the filtering / packing that built it (e.g. examples longer than "
