@@ -212,3 +212,20 @@ def test_auto_offload_when_the_gpu_budget_is_short(tmp_path, monkeypatch):
     # step 1 measures (one at a time): 2 of 4 fit -> offload; measure again (1, then 2); then all 4
     assert groups == [1] * 4 + [1] * 4 + [2] * 2 + [4] * 5, groups
     assert_close_params(state_of(ref), state_of(model), 5e-6)
+
+
+def test_auto_keeps_checkpoints_on_the_gpu_when_offloading_would_not_help(tmp_path, monkeypatch):
+    """The growth per micro-batch is mostly not checkpoints (here 10x them, e.g. full logits):
+    offloading them would not let more micro-batches in, so "auto" leaves them on the GPU."""
+    from megatrain_hf.integrations.trainer import Trainer
+    from helpers import RandomTokens
+
+    model = tiny_model("llama", attention_dropout=0.0)
+    trainer = Trainer(model=model, args=training_args(tmp_path, gradient_accumulation_steps=4),
+                      train_dataset=RandomTokens(), callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB")])
+    engine = engine_of(model)
+    ckpt = 16 * 2 * 8 + 16 * 2 * 4 * 64 * (len(engine.units) - 1)
+    engine.gpu_budget = int((1000 + 25 * ckpt) / engine._BUDGET_MARGIN)  # 2 fit; 2 would fit without checkpoints too
+    engine._peak_source = lambda: 1000 + (engine.in_flight or 1) * 10 * ckpt
+    trainer.train()
+    assert engine.offload is None and engine.in_flight == 2
