@@ -167,3 +167,37 @@ def test_cli_rejects_unknown_system_and_mismatched_merge(tmp_path):
     assert list(merged_results(tmp_path, {"seq_len": 2, "shape": {"hidden": 8, "tied": False}}, ["plain"])) == ["deepspeed"]
     with pytest.raises(ValueError, match="different workload"):
         merged_results(tmp_path, {"seq_len": 2, "shape": {"hidden": 16, "tied": False}}, ["plain"])
+
+
+def test_depth_scaling_report_from_real_runs(tmp_path, bench, capsys):
+    """Two megatrain runs of the tiny model at 2 and 4 layers (CPU), then the scaling report: a
+    row per depth, layer-tokens/s from the step times, spreads against the issue's bounds."""
+    from megatrain_hf.bench.scaling import load_points, main as scaling_main, spread
+
+    _, first, _ = bench  # the module's run: the tiny preset's own depth
+    paths = [first / "results.json"]
+    out = tmp_path / "deeper"
+    layers = PRESETS["tiny"].layers * 2
+    assert main(["--model", "tiny", "--layers", str(layers), "--seq-len", "32", "--micro-batch", "2",
+                 "--grad-accum", "2", "--steps", "2", "--warmup-steps", "1", "--systems", "megatrain",
+                 "--device", "cpu", "--dtype", "fp32", "--out", str(out)]) == 0
+    paths.append(out / "results.json")
+    points = load_points(paths)
+    assert [p["layers"] for p in points] == [PRESETS["tiny"].layers, layers]
+    for p, path in zip(points, paths):
+        r = json.loads(path.read_text())
+        tokens = r["workload"]["tokens_per_step"]
+        assert p["layer_tokens_per_s"] == pytest.approx(p["layers"] * tokens / r["results"]["megatrain"]["step_time_mean_s"])
+    assert scaling_main(["--out", str(tmp_path / "scaling"), *map(str, paths)]) == 0
+    text = (tmp_path / "scaling" / "scaling.md").read_text()
+    assert "# megatrain depth scaling" in text and "not measured (no GPU)" in text
+    assert f"layer-tokens/s spread: {100 * spread([p['layer_tokens_per_s'] for p in points]):.1f} %" in text
+    assert (tmp_path / "scaling" / "scaling.png").read_bytes().startswith(PNG_SIGNATURE)
+    capsys.readouterr()
+    bad = tmp_path / "bad.json"
+    report = json.loads(paths[0].read_text())
+    report["results"]["megatrain"] = {"status": "failed", "reason": "out of memory"}
+    bad.write_text(json.dumps(report))
+    with pytest.raises(SystemExit) as info:
+        scaling_main(["--out", str(tmp_path / "s2"), str(bad)])
+    assert info.value.code == 2 and "no successful 'megatrain' result (failed: out of memory)" in capsys.readouterr().err
