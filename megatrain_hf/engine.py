@@ -601,10 +601,7 @@ class Engine:
         self._start_offload()
         self._peaks, self._per_microbatch = {}, 0
         self._microbatch_tokens = 0  # the host measurement divides by the switch step's tokens
-        if self.device.type == "cuda":  # the new measurements start from here
-            self.max_peak_allocated = max(self.max_peak_allocated, torch.cuda.max_memory_allocated(self.device))
-            self.max_peak_reserved = max(self.max_peak_reserved, torch.cuda.max_memory_reserved(self.device))
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self._restart_peaks()  # the new measurements start from here
         return True
 
     def _check_sequence_length(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -762,6 +759,10 @@ class Engine:
             return  # two group sizes measured: the plan is set, peak statistics are left alone
         self._per_microbatch = max(self._per_microbatch, nbytes // microbatches)
         self._peaks[self.in_flight or 1] = int(self._peak_source())
+        self._restart_peaks()
+
+    def _restart_peaks(self) -> None:
+        """Keep the peaks so far (``max_peak_*``, reported) and reset CUDA's statistics for the next measurement."""
         if self.device.type == "cuda":
             self.max_peak_allocated = max(self.max_peak_allocated, torch.cuda.max_memory_allocated(self.device))
             self.max_peak_reserved = max(self.max_peak_reserved, torch.cuda.max_memory_reserved(self.device))

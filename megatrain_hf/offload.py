@@ -66,7 +66,7 @@ class CheckpointOffload:
         self._pending: deque = deque()  # (copied event, input, its version) of downloads in flight
         self.pool_bytes = 0  # host bytes the pool holds (in use or free)
         self.in_use_bytes = 0  # ... held by live checkpoints
-        self.peak_in_use_bytes = 0  # the most held at once since reset_peak()
+        self.peak_in_use_bytes = 0  # the most held at once (the engine reads it after a one-at-a-time step)
 
     # ------------------------------------------------------------------ pool
     def _take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -74,7 +74,7 @@ class CheckpointOffload:
         i = bisect.bisect_left(free, (numel, -1))  # the smallest free buffer that is large enough
         if i < len(free):
             return free.pop(i)[2]
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         nbytes = numel * size
         if self._available_bytes() - self._headroom < nbytes:
             for _, _, small in free:  # too small for this shape: unpin them and try again
@@ -96,9 +96,6 @@ class CheckpointOffload:
     def _give_back(self, host: torch.Tensor, nbytes: int) -> None:
         bisect.insort(self._free.setdefault(host.dtype, []), (host.numel(), id(host), host))
         self.in_use_bytes -= nbytes
-
-    def reset_peak(self) -> None:
-        self.peak_in_use_bytes = self.in_use_bytes
 
     def _retire(self, force: int = 0) -> None:
         """Forget downloads that ended (the first ``force`` ones: make the compute stream wait for them),
