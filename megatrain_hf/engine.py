@@ -116,6 +116,31 @@ def _position_limit(config) -> int | None:
     return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
+def _use_expandable_segments() -> Callable[[], None] | None:
+    """Switch the caching allocator to expandable segments; return the undo, or None if unchanged.
+
+    Under ``max_gpu_memory`` the allocator runs at its cap: with fixed-size segments, freed blocks
+    of one size (or one stream's pool) cannot serve another, so allocations keep failing, the
+    allocator frees its cache (a device-wide synchronisation, then ``cudaFree`` / ``cudaMalloc``)
+    and retries. Expandable segments map pages into one growing range per stream instead, so what
+    is reserved stays close to what is allocated. The setting applies to segments created after
+    it; the user's own ``PYTORCH_CUDA_ALLOC_CONF`` wins.
+    """
+    import os
+
+    if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return None
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if setter is None:  # torch < 2.12
+        setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:
+        logger.warning("megatrain: this torch cannot switch the CUDA allocator to expandable segments at run "
+                       "time; under max_gpu_memory set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+        return None
+    setter("expandable_segments:True")
+    return lambda: setter("expandable_segments:False")
+
+
 def _active_peak(device: torch.device) -> int:
     """Peak of the allocator's active bytes since the last reset (allocated if not reported)."""
     stats = torch.cuda.memory_stats(device)
@@ -678,6 +703,9 @@ class Engine:
         fraction = min(1.0, self.gpu_budget / total)
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
         self._undo.append(lambda: torch.cuda.set_per_process_memory_fraction(1.0, self.device))
+        undo = _use_expandable_segments()
+        if undo is not None:
+            self._undo.append(undo)
         # Planned on active bytes (allocated, plus blocks freed but still read by another stream,
         # e.g. inputs whose checkpoint copy is pending), with _BUDGET_MARGIN left for
         # fragmentation. Not on reserved:
@@ -688,8 +716,9 @@ class Engine:
         self._peak_source = lambda: _active_peak(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        logger.info("megatrain: GPU memory capped at %.2f GiB (%.1f%% of %s)", self.gpu_budget / 2**30,
-                    100 * fraction, torch.cuda.get_device_name(self.device))
+        logger.info("megatrain: GPU memory capped at %.2f GiB (%.1f%% of %s)%s", self.gpu_budget / 2**30,
+                    100 * fraction, torch.cuda.get_device_name(self.device),
+                    ", allocator on expandable segments" if undo is not None else "")
 
     _BUDGET_MARGIN = 0.9  # of the budget, planned for allocated bytes (the rest: fragmentation, estimate error)
 

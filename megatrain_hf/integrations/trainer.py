@@ -68,6 +68,7 @@ class MegaTrainPlugin(TrainerCallback):
         self.config = config if config is not None else MegaTrainConfig(**overrides)
         self.engine: Engine | None = None
         self._last_log: tuple[float, int] | None = None
+        self._alloc_retries: int | None = None  # CUDA allocator retries at the previous log
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite gradient norm (HostAdamW)
         self._step_group: _StepGroup | None = None  # the optimizer step's micro-batches (layer-major)
         self._step_microbatches = 0
@@ -408,6 +409,12 @@ class MegaTrainPlugin(TrainerCallback):
         if engine.device.type == "cuda":  # max_gpu_memory resets the statistics while it measures
             peak = max(torch.cuda.max_memory_allocated(engine.device), engine.max_peak_allocated)
             out["megatrain/gpu_peak_GiB"] = peak / 2**30
+            # allocations that failed, emptied the allocator's cache (a device synchronisation) and
+            # retried: a step that keeps doing this runs at the memory cap, slowly
+            retries = int(torch.cuda.memory_stats(engine.device).get("num_alloc_retries", 0))
+            if self._alloc_retries is not None:
+                out["megatrain/alloc_retries"] = float(retries - self._alloc_retries)
+            self._alloc_retries = retries
         stats.reset()
         self._last_log = (now, 0)
         return out
