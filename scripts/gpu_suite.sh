@@ -2,6 +2,7 @@
 # One call on the GPU machine: GPU tests, then training/benchmark runs; everything lands in
 # $OUT/results.tar.gz (+ summary.txt), since only a few files come back.
 #   STAGES="tests train1b" bash scripts/gpu_suite.sh
+# TESTS_K="budget" runs only the GPU tests matching that -k expression.
 # One device call runs at most 600 s: "tests" (~100 s) and "soak" (~400 s) fit together, not with a bench.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -28,7 +29,7 @@ for stage in $STAGES; do
       python3 scripts/host_probe.py > "$R/probe.log" 2>&1
       summary "probe rc=$? $(cat "$R/probe.log" | tail -12)";;
     tests)
-      MEGATRAIN_GPU_REPORT=$R/gpu_parity.jsonl timeout $(left 420) python3 -m pytest -m gpu tests/gpu -q -rs > "$R/gpu_tests.log" 2>&1
+      MEGATRAIN_GPU_REPORT=$R/gpu_parity.jsonl timeout $(left 420) python3 -m pytest -m gpu tests/gpu -q -rs ${TESTS_K:+-k "$TESTS_K"} > "$R/gpu_tests.log" 2>&1
       summary "tests rc=$? $(tail -1 "$R/gpu_tests.log")";;
     train1b)
       for sys in ${TRAIN1B_SYSTEMS:-megatrain plain}; do
