@@ -35,7 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .adapters import Units, locate_units, unwrap
 from .config import MegaTrainConfig
 from . import layer_major
-from .grads import GRAD_SLABS, GradSink
+from .grads import GradSink
 from .offload import Checkpoint, CheckpointOffload
 from .store import Entry, HostStore
 from .streamer import Streamer
@@ -84,15 +84,17 @@ class EngineStats:
     useful_flops: float = 0.0  # 6 * P * tokens + 12 * layers * hidden * seq * tokens (no recompute)
     optimizer_wait_s: float = 0.0  # training thread blocked on a background HostAdamW update
     grad_wait_s: float = 0.0  # end of backward blocked on the last gradient accumulations
-    d2h_busy_s: float = 0.0  # grad stream time spent copying gradients down (CUDA events)
+    grad_stream_bytes: int = 0  # bytes the grad stream moved: gradients down, accumulators up
+    grad_stream_busy_s: float = 0.0  # grad stream time spent on them (CUDA events)
     fetches: int = 0  # unit weight fetches
     uploads: int = 0  # ... that had to upload the unit (the others reused the copy on the device)
     fetches_not_ready: int = 0  # ... whose upload had not landed when the compute needed it
 
     def reset(self) -> None:
         self.forward_units = self.backward_units = self.h2d_bytes = self.d2h_bytes = self.tokens = 0
+        self.grad_stream_bytes = 0
         self.fetches = self.fetches_not_ready = self.uploads = 0
-        self.useful_flops = self.optimizer_wait_s = self.grad_wait_s = self.d2h_busy_s = 0.0
+        self.useful_flops = self.optimizer_wait_s = self.grad_wait_s = self.grad_stream_busy_s = 0.0
 
 
 @dataclass
@@ -296,7 +298,6 @@ class Engine:
                 staging=staging and dtype != torch.float32,
                 embedding_units=units.embedding_units,
                 optimizer_state=config.replace_adamw,
-                grad_slabs=GRAD_SLABS if device.type == "cuda" else 0,
             )
             check_host_memory(sum(breakdown.values()), breakdown, available=available)
 
@@ -461,7 +462,7 @@ class Engine:
         self.streamer.drop_prefetched()
         self.grads.drop_held()
         try:
-            self.grads.wait()  # no slab of the failed pass may land in the next step's gradients
+            self.grads.wait()  # no transfer of the failed pass may land in the next step's gradients
         except RuntimeError:
             logger.exception("gradient accumulation also failed while unwinding a failed backward")
 

@@ -60,7 +60,7 @@ def _store_tiers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
     masters = hs.trainable_numel() * 4
     assert hs.host_bytes() == 2 * masters + staging + frozen
     return {"master": masters, "grad": masters, "exp_avg": masters, "exp_avg_sq": masters,
-            "staging": staging, "frozen": frozen, "slabs": 0, "checkpoints": 0}  # CPU: no slabs, no offload
+            "staging": staging, "frozen": frozen, "checkpoints": 0}  # no offloaded checkpoints
 
 
 # ------------------------------------------------------------------------------------ shapes
@@ -119,7 +119,7 @@ def test_alignment_matches_the_store():
 def test_host_plan_is_exact_against_the_real_store(kw, dtype):
     config = transformers.LlamaConfig(**kw)
     torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-    plan = plan_memory(ModelShape.from_hf_config(config), seq_len=8, micro_batch=1, compute_dtype=dtype, grad_slabs=0)
+    plan = plan_memory(ModelShape.from_hf_config(config), seq_len=8, micro_batch=1, compute_dtype=dtype)
     from_units = host_breakdown_for_units(_units(transformers.LlamaForCausalLM(config)), compute_dtype=torch_dtype)
     real = _store_tiers(transformers.LlamaForCausalLM(config), torch_dtype)
     assert plan.host_breakdown() == real
@@ -129,29 +129,9 @@ def test_host_plan_is_exact_against_the_real_store(kw, dtype):
         assert plan.host_staging == 0 and plan.bytes_per_trainable_param == pytest.approx(16, rel=0.01)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])
-def test_gradient_slabs_are_planned_as_the_pipeline_allocates(family):
-    """On CUDA the gradient pipeline pins GRAD_SLABS fp32 slabs of the largest unit's trainable
-    elements (what grads.py sizes from the real store); the plan and the engine's check count them."""
-    from megatrain_hf.grads import GRAD_SLABS, slab_numel
-
-    model = tiny_model(family)
-    hs = store.HostStore(_units(model), compute_dtype=torch.bfloat16, device=torch.device("cpu"), pin=False,
-                         embedding_units=frozenset({0}))
-    real = GRAD_SLABS * 4 * slab_numel(b.master_host.numel() for b in hs.buffers if b.master_host is not None)
-    assert real > 0
-    plan = plan_memory(ModelShape.from_hf_config(model.config), seq_len=8, micro_batch=1)
-    assert plan.host_grad_slabs == real
-    units = _units(tiny_model(family))
-    assert host_breakdown_for_units(units, compute_dtype=torch.bfloat16, grad_slabs=GRAD_SLABS)["slabs"] == real
-    # a fixed overhead: not part of the bytes per trainable parameter
-    assert plan.bytes_per_trainable_param == plan_memory(
-        ModelShape.from_hf_config(model.config), seq_len=8, micro_batch=1, grad_slabs=0).bytes_per_trainable_param
-
-
 def test_host_plan_is_exact_for_tied_embeddings():
     model = tiny_model("gemma")  # tied lm_head: counted once, no staging (fp32 embedding)
-    plan = plan_memory(ModelShape.from_hf_config(model.config), seq_len=8, micro_batch=1, grad_slabs=0)
+    plan = plan_memory(ModelShape.from_hf_config(model.config), seq_len=8, micro_batch=1)
     assert plan.host_breakdown() == _store_tiers(model, torch.bfloat16)
 
 
@@ -162,7 +142,7 @@ def test_lora_plan_is_exact_against_the_real_store():
         transformers.LlamaForCausalLM(config),
         peft.LoraConfig(r=4, target_modules=list(memory.LORA_TARGETS), lora_dropout=0.0),
     )
-    plan = plan_memory(ModelShape.from_hf_config(config), seq_len=8, micro_batch=1, lora_rank=4, grad_slabs=0)
+    plan = plan_memory(ModelShape.from_hf_config(config), seq_len=8, micro_batch=1, lora_rank=4)
     assert plan.trainable_params == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert plan.total_params == sum(p.numel() for p in model.parameters())
     assert plan.host_breakdown() == _store_tiers(model, torch.bfloat16)
@@ -180,10 +160,8 @@ def test_llama7b_bf16_bytes_per_parameter():
     assert plan.host_staging == 2 * matrices
     assert plan.host_frozen == 0
     assert plan.bytes_per_trainable_param == pytest.approx(17.96, abs=0.01)
-    # + 3 pinned fp32 gradient slabs of the largest unit (a decoder layer with its two norms)
-    assert plan.host_grad_slabs == 3 * 4 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096)
-    assert plan.host_total / GiB == pytest.approx(112.72 + 2.26, abs=0.01)
-    fp32 = plan_memory(shape, seq_len=4096, micro_batch=1, compute_dtype="fp32", grad_slabs=0)
+    assert plan.host_total / GiB == pytest.approx(112.72, abs=0.01)  # no pinned slabs: sums go through the GPU
+    fp32 = plan_memory(shape, seq_len=4096, micro_batch=1, compute_dtype="fp32")
     assert fp32.host_total == 16 * p and fp32.bytes_per_trainable_param == 16
 
 
@@ -239,7 +217,7 @@ def test_plan_rejects_bad_values_with_the_allowed_ones():
 def test_table_and_dict():
     plan = plan_memory(PRESETS["llama-7b"], seq_len=4096, micro_batch=1)
     text = plan.table()
-    assert "114.98" in text and "25.10" in text and "2.26" in text and "GPU" in text
+    assert "112.72" in text and "25.10" in text and "slab" not in text and "GPU" in text
     d = json.loads(json.dumps(plan.to_dict()))
     assert d["host_total"] == plan.host_total and d["shape"]["params"] == 6_738_415_616
 
@@ -250,7 +228,7 @@ def test_check_host_memory_error_shows_the_arithmetic_and_the_fix():
     with pytest.raises(MemoryError) as info:
         check_host_memory(plan.host_total, plan.host_breakdown(), available=64 * GiB)
     msg = str(info.value)
-    for number in ("25.10", "12.31", "2.26", "114.98", "116.98", "64.00", "52.98"):
+    for number in ("25.10", "12.31", "112.72", "114.72", "64.00", "50.72"):
         assert number in msg, number
     assert "Fix" in msg and "LoRA" in msg and "smaller model" in msg
     spare = check_host_memory(plan.host_total, plan.host_breakdown(), available=125 * GiB)
@@ -277,8 +255,8 @@ def test_largest_model_and_preset():
 def test_estimate_main_on_a_preset(capsys):
     assert estimate_main(["--model", "llama-7b", "--host-gib", "125"]) == 0
     out = capsys.readouterr().out
-    assert "HOST RAM" in out and "114.98" in out and "-> fits" in out
-    assert "largest preset that fits (bf16): llama-7b" in out and "deepest: 34 layers" in out
+    assert "HOST RAM" in out and "112.72" in out and "-> fits" in out
+    assert "largest preset that fits (bf16): llama-7b" in out and "deepest: 35 layers" in out
     assert estimate_main(["--model", "llama-13b", "--host-gib", "125"]) == 0
     assert "does NOT fit" in capsys.readouterr().out
 

@@ -393,8 +393,8 @@ class MegaTrainPlugin(TrainerCallback):
                 out["megatrain/h2d_not_ready_frac"] = stats.fetches_not_ready / stats.fetches
             if engine.device.type == "cuda":  # compute stream stalled on uploads (events), exposed H2D
                 out["megatrain/h2d_wait_frac"] = engine.streamer.exposed_wait_s() / elapsed
-            if stats.d2h_busy_s > 0:  # the link's effective rate while the grad stream copied
-                out["megatrain/d2h_GBps_busy"] = stats.d2h_bytes / 1e9 / stats.d2h_busy_s
+            if stats.grad_stream_busy_s > 0:  # the link's effective rate while the grad stream copied
+                out["megatrain/grad_stream_GBps_busy"] = stats.grad_stream_bytes / 1e9 / stats.grad_stream_busy_s
         if optimizer is not None:  # the host update's own time, hidden or not, and its rate
             update_s, updated = optimizer.take_update_stats()
             if self._last_log is not None and update_s > 0:

@@ -10,7 +10,6 @@ from typing import Any, Iterable
 import psutil
 import torch
 
-from ..grads import GRAD_SLABS, slab_numel
 from ..loss import chunk_tokens as loss_chunk
 from ..store import wire_dtype
 from .shapes import PRESETS, ModelShape
@@ -41,7 +40,6 @@ _TIER_LABELS = {
     "exp_avg_sq": "AdamW exp_avg_sq (fp32)",
     "staging": "compute-dtype staging copies",
     "frozen": "frozen weights (wire dtype)",
-    "slabs": "pinned gradient slabs (fp32, CUDA)",
     "checkpoints": "offloaded activation checkpoints",
 }
 
@@ -101,9 +99,8 @@ def _wire_bytes(t: _Tensor, kind: str, compute_bytes: int) -> int:
     return compute_bytes if t.matrix and kind != "embedding" else 4
 
 
-def _host_tiers(units: list[_UnitLayout], compute_bytes: int, grad_slabs: int) -> dict[str, int]:
+def _host_tiers(units: list[_UnitLayout], compute_bytes: int) -> dict[str, int]:
     trainable = staging = frozen = 0
-    per_unit = []  # trainable elements of each unit: a gradient slab holds the largest
     for unit in units:
         unit_trainable = 0
         for t in unit.tensors:
@@ -116,7 +113,6 @@ def _host_tiers(units: list[_UnitLayout], compute_bytes: int, grad_slabs: int) -
             else:
                 frozen += n * wire
         trainable += unit_trainable
-        per_unit.append(unit_trainable)
     return {
         "master": 4 * trainable,
         "grad": 4 * trainable,
@@ -124,7 +120,6 @@ def _host_tiers(units: list[_UnitLayout], compute_bytes: int, grad_slabs: int) -
         "exp_avg_sq": 4 * trainable,
         "staging": staging,
         "frozen": frozen,
-        "slabs": grad_slabs * 4 * slab_numel(per_unit),
     }
 
 
@@ -135,15 +130,13 @@ def host_breakdown_for_units(
     staging: bool = True,
     embedding_units: frozenset[int] = frozenset({0}),
     optimizer_state: bool = True,
-    grad_slabs: int = 0,
 ) -> dict[str, int]:
     """Exact host bytes per tier for real modules, walked the way ``HostStore`` walks them.
 
     For the engine: call it with the same ``units`` / ``embedding_units`` it hands the store, then
     :func:`check_host_memory` with ``sum(breakdown.values())`` before allocating. ``staging``:
     whether the store keeps a compute-dtype copy (``HostStore`` does unless compute is fp32 on
-    the CPU); ``optimizer_state``: count ``HostAdamW``'s two fp32 moments per trainable element;
-    ``grad_slabs``: the pinned fp32 slabs of the CUDA gradient pipeline (``GRAD_SLABS``; 0 on the CPU).
+    the CPU); ``optimizer_state``: count ``HostAdamW``'s two fp32 moments per trainable element.
     Tied parameters (same tensor in two units) are counted once, frozen ones
     (``requires_grad=False``) in their wire dtype only.
     """
@@ -155,7 +148,6 @@ def host_breakdown_for_units(
         )
     seen: set[int] = set()
     trainable = low_precision = frozen = 0
-    per_unit = []
     for u, item in enumerate(units):
         module = item[1] if isinstance(item, tuple) else item
         unit_trainable = 0
@@ -171,7 +163,6 @@ def host_breakdown_for_units(
             else:
                 frozen += n * torch.empty((), dtype=wire).element_size()
         trainable += unit_trainable
-        per_unit.append(unit_trainable)
     moments = 4 * trainable if optimizer_state else 0
     return {
         "master": 4 * trainable,
@@ -180,7 +171,6 @@ def host_breakdown_for_units(
         "exp_avg_sq": moments,
         "staging": low_precision * torch.empty((), dtype=dtype).element_size() if staging else 0,
         "frozen": frozen,
-        "slabs": grad_slabs * 4 * slab_numel(per_unit),
     }
 
 
@@ -231,9 +221,6 @@ class MemoryPlan:
     """Compute-dtype copy of trainable matrices of layers and lm_head (2 B each in bf16, none in fp32)."""
     host_frozen: int
     """Frozen weights in their wire dtype (2 B for bf16 matrices, 4 B for vectors/embedding/fp32)."""
-    host_grad_slabs: int
-    """Pinned fp32 slabs of the CUDA gradient pipeline: ``GRAD_SLABS`` x the largest unit's trainable
-    elements x 4 B; 0 when planned for the CPU."""
     host_checkpoints: int
     """With ``offload_checkpoints``: every activation checkpoint of the micro-batches in flight, in
     pinned host buffers (what ``gpu_checkpoints`` would hold otherwise); 0 without."""
@@ -248,8 +235,10 @@ class MemoryPlan:
     intermediates in the compute dtype, the fp32 residual-stream/norm tensors and the fp32
     gradients flowing in and out, for ``micro_batch * seq_len`` tokens."""
     gpu_weight_grads: int
-    """Gradients of the largest unit's trainable weights, counted in fp32 (an upper bound: autograd
-    returns them in the wire dtype and each is converted to fp32 on the device before its D2H)."""
+    """Gradients of the largest unit's trainable weights, counted in fp32 twice: the gradients (an
+    upper bound: autograd returns them in the wire dtype and each is converted to fp32 on the device
+    before its D2H) and, for a later contribution of the step, the accumulator they are added to
+    on the device."""
     gpu_logits: int
     """Loss: logits in the compute dtype (kept in the model output) + fp32 log-probabilities + two
     fp32 gradients, ``tokens x vocab`` each."""
@@ -270,10 +259,9 @@ class MemoryPlan:
     @property
     def bytes_per_trainable_param(self) -> float:
         """Host bytes of the trainable tiers (master, grad, moments, staging) per trainable parameter:
-        16 in fp32, ~18 in bf16 (16 + 2 for the staging copy of the matrices). The gradient slabs
-        (they follow the largest unit) and offloaded checkpoints (they follow the batch) are not
-        per-parameter costs."""
-        trainable = self.host_total - self.host_frozen - self.host_grad_slabs - self.host_checkpoints
+        16 in fp32, ~18 in bf16 (16 + 2 for the staging copy of the matrices). Offloaded
+        checkpoints (they follow the batch) are not a per-parameter cost."""
+        trainable = self.host_total - self.host_frozen - self.host_checkpoints
         return trainable / self.trainable_params if self.trainable_params else 0.0
 
     @property
@@ -289,7 +277,6 @@ class MemoryPlan:
             "exp_avg_sq": self.host_exp_avg_sq,
             "staging": self.host_staging,
             "frozen": self.host_frozen,
-            "slabs": self.host_grad_slabs,
             "checkpoints": self.host_checkpoints,
         }
 
@@ -375,7 +362,6 @@ def plan_memory(
     host_staging: bool = True,
     lora_rank: int | None = None,
     lora_targets: Iterable[str] = LORA_TARGETS,
-    grad_slabs: int = GRAD_SLABS,
     offload_checkpoints: bool = False,
 ) -> MemoryPlan:
     """Plan the host tiers (exact) and the GPU items (estimate) of training ``shape``.
@@ -384,8 +370,7 @@ def plan_memory(
     ``layer_major``: all ``grad_accum`` micro-batches of a step go through each layer together,
     so their activation checkpoints are all on the GPU (otherwise one micro-batch at a time).
     ``lora_rank``: plan a LoRA run (adapters of rank ``lora_rank`` on ``lora_targets`` of every
-    layer are trainable, every base weight frozen) instead of full fine-tuning. ``grad_slabs``:
-    pinned gradient slabs to count (``GRAD_SLABS`` on a CUDA machine, 0 for training on the CPU).
+    layer are trainable, every base weight frozen) instead of full fine-tuning.
     ``offload_checkpoints``: the checkpoints live in host RAM; the GPU holds two per micro-batch
     in flight (the one going down, the one coming back up).
     """
@@ -409,7 +394,7 @@ def plan_memory(
     cbytes = _COMPUTE_BYTES[compute_dtype]
     dtype_name = "bf16" if cbytes == 2 else "fp32"
     units = _layout(shape, lora_rank, lora_targets)
-    tiers = _host_tiers(units, cbytes, grad_slabs)
+    tiers = _host_tiers(units, cbytes)
     if not host_staging:  # the fp32 masters are sent and rounded on the device
         tiers["staging"] = 0
 
@@ -452,12 +437,11 @@ def plan_memory(
         host_exp_avg_sq=tiers["exp_avg_sq"],
         host_staging=tiers["staging"],
         host_frozen=tiers["frozen"],
-        host_grad_slabs=tiers["slabs"],
         host_checkpoints=checkpoints if offload_checkpoints else 0,
         gpu_weight_slots=2 * max(wire(u) for u in distinct),
         gpu_checkpoints=2 * in_flight * tokens * h * 4 if offload_checkpoints else checkpoints,
         gpu_layer_working_set=tokens * per_token,
-        gpu_weight_grads=max(grads(u) for u in distinct),
+        gpu_weight_grads=2 * max(grads(u) for u in distinct),
         # chunked loss: one chunk's logits at a time; else every in-flight micro-batch's logits and
         # log-probs wait for the backward (layer-major: the step's one backward)
         gpu_logits=(min(tokens, loss_chunk(loss_chunk_tokens, shape.vocab)) if chunked_loss else in_flight * tokens)
@@ -560,7 +544,7 @@ class ModelFit:
 
 
 def _host_total(shape: ModelShape, compute_dtype: str, lora_rank: int | None) -> int:
-    return sum(_host_tiers(_layout(shape, lora_rank, LORA_TARGETS), _COMPUTE_BYTES[compute_dtype], GRAD_SLABS).values())
+    return sum(_host_tiers(_layout(shape, lora_rank, LORA_TARGETS), _COMPUTE_BYTES[compute_dtype]).values())
 
 
 def largest_model(
