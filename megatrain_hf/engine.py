@@ -83,7 +83,7 @@ class EngineStats:
     tokens: int = 0  # token ids entering the embedding in training calls
     useful_flops: float = 0.0  # 6 * P * tokens + 12 * layers * hidden * seq * tokens (no recompute)
     optimizer_wait_s: float = 0.0  # training thread blocked on a background HostAdamW update
-    grad_wait_s: float = 0.0  # end of backward blocked on the last gradient accumulations
+    grad_wait_s: float = 0.0  # backward blocked on gradient transfers (queue full, or the last ones at its end)
     grad_stream_bytes: int = 0  # bytes the grad stream moved: gradients down, accumulators up
     grad_stream_busy_s: float = 0.0  # grad stream time spent on them (CUDA events)
     fetches: int = 0  # unit weight fetches

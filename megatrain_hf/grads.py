@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -33,6 +34,12 @@ from .store import Entry, HostStore
 from .workers import start_worker
 
 logger = logging.getLogger(__name__)
+
+MAX_PENDING_SENDS = 3
+"""Units whose gradient transfers may be queued on the grad stream at once. Each keeps its device
+gradients alive until its copies end; on the H200, a 7B layer's round trip (accumulator up, sum
+down) takes about as long as its backward, and without a bound the queue grew to 20 GiB of GPU
+memory by the end of backward (a 24 GiB budget then fit one micro-batch where it fit two)."""
 
 class GradSink:
     def __init__(self, store: HostStore, device: torch.device, stats, host_threads: int = 1) -> None:
@@ -162,18 +169,23 @@ class GradSink:
         owned = (e for e in self.store.entries[u] if e.owner == u and e.kind == "trainable")
         whole = len(sent) == len(local) and all(e.tensor.grad is None or any(e is s_ for s_ in sent) for e in owned)
         gpu_norms = want_norm and whole and bool(sent)
-        start, done, norms_host, keep = self._copy_down(fresh, added, grad_host, gpu_norms)
+        waited = time.perf_counter()
+        self._wait_pending(MAX_PENDING_SENDS - 1)  # back-pressure: the compute waits for the link
+        self.stats.grad_wait_s += time.perf_counter() - waited
+        start, done, norms_host = self._copy_down(fresh, added, grad_host, gpu_norms)
         with self._cond:
             self._pending += 1
         self.norms[u] = None
-        # local and keep (device tensors read by the grad stream) stay referenced until the worker
-        # saw the copies end: the caching allocator must not hand their memory to another stream first
-        self._jobs.put((u, fresh, (start, done), (local, keep), norms_host if gpu_norms else want_norm))
+        # local (device gradients from the compute stream, read by the grad stream) stays referenced
+        # until the worker saw the copies end: the caching allocator must not hand their memory to
+        # the compute stream first. What _copy_down allocated on the grad stream is freed at once:
+        # only later work on that same stream can reuse it.
+        self._jobs.put((u, fresh, (start, done), local, norms_host if gpu_norms else want_norm))
 
     def _copy_down(self, fresh, added, grad_host, gpu_norms: bool):
         """Queue one unit's transfers on the grad stream: ``fresh`` gradients down into the
         accumulators; for ``added`` ones the accumulator up, the gradient added to it, the sum down.
-        Returns the (start, done) events, the pinned norms (or None) and the device tensors to keep."""
+        Returns the (start, done) events and the pinned norms (or None)."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # grads are ready there
         norms_host = None
         with torch.cuda.stream(self.stream):
@@ -201,10 +213,9 @@ class GradSink:
                 norms = torch.stack(torch._foreach_norm([t for _, t in sums], 2))
                 norms_host = torch.empty(norms.shape, dtype=torch.float32, pin_memory=True)
                 norms_host.copy_(norms, non_blocking=True)
-                sums.append((None, norms))
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
-        return start, done, norms_host, sums
+        return start, done, norms_host
 
     @staticmethod
     def _merge_foreign(local: list, pending: list) -> list:
@@ -238,7 +249,7 @@ class GradSink:
 
     # ------------------------------------------------------------------ worker
     def _process(self, job) -> None:
-        u, fresh, (start, done), _keep, want_norm = job
+        u, fresh, (start, done), _local, want_norm = job
         try:
             done.synchronize()
             self.stats.grad_stream_busy_s += start.elapsed_time(done) / 1e3  # its effective link rate
@@ -264,12 +275,16 @@ class GradSink:
             self._flush_held()
         if self._foreign:
             self.flush_foreign()
+        self._wait_pending(0)
+        self.raise_error()
+
+    def _wait_pending(self, at_most: int) -> None:
+        """Block until at most ``at_most`` submitted units are still being transferred."""
         with self._cond:
-            while self._pending:
+            while self._pending > at_most:
                 self._cond.wait(timeout=1.0)
                 if self._worker is not None and not self._worker.is_alive():
                     raise RuntimeError("megatrain gradient worker died")
-        self.raise_error()
 
     def raise_error(self) -> None:
         if self._error is not None:
