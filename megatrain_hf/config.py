@@ -126,7 +126,8 @@ class MegaTrainConfig:
     check_host_memory: bool = True
     """Before allocating, compare the host bytes the plan needs with the RAM available and raise
     with the arithmetic if it does not fit. Turn off only where the OS reports less available
-    memory than it will grant (e.g. VMs whose RAM grows on use)."""
+    memory than it will grant (e.g. VMs whose RAM grows on use): offloaded activation checkpoints
+    then also take what they need without asking the OS first."""
 
     def __post_init__(self) -> None:
         if self.device is not None:

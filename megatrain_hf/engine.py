@@ -606,10 +606,17 @@ class Engine:
             self.grads.count_call(u)
         return out
 
-    def _start_offload(self) -> None:
-        from .memory import DEFAULT_HEADROOM_BYTES, available_host_bytes
+    def _available_host(self) -> int:
+        """Host RAM the offloaded checkpoints may still take; unbounded under ``check_host_memory=False``
+        (the OS reports less than it grants, e.g. a VM whose RAM grows on use)."""
+        from .memory import available_host_bytes
 
-        self.offload = CheckpointOffload(self.device, self.store.allocate, self.store.free, available_host_bytes,
+        return available_host_bytes() if self.config.check_host_memory else 1 << 62
+
+    def _start_offload(self) -> None:
+        from .memory import DEFAULT_HEADROOM_BYTES
+
+        self.offload = CheckpointOffload(self.device, self.store.allocate, self.store.free, self._available_host,
                                          DEFAULT_HEADROOM_BYTES, self.stats)
 
     def _offload_instead(self, fits: int, k: int) -> bool:
@@ -617,9 +624,9 @@ class Engine:
         two micro-batches' checkpoints, and measure again (the next steps run one, then two)."""
         if self.config.offload_checkpoints != "auto" or self.offload is not None or self._per_microbatch <= 0:
             return False
-        from .memory import DEFAULT_HEADROOM_BYTES, available_host_bytes
+        from .memory import DEFAULT_HEADROOM_BYTES
 
-        if available_host_bytes() - DEFAULT_HEADROOM_BYTES < 2 * self._per_microbatch:
+        if self._available_host() - DEFAULT_HEADROOM_BYTES < 2 * self._per_microbatch:
             return False
         logger.info("megatrain: max_gpu_memory fits %d of the step's %d micro-batches with the activation "
                     "checkpoints on the GPU; offloading them to host memory (%.2f GiB per micro-batch) and "
@@ -764,9 +771,9 @@ class Engine:
             return k
         if self._offload_per_token is None:
             return 1
-        from .memory import DEFAULT_HEADROOM_BYTES, available_host_bytes
+        from .memory import DEFAULT_HEADROOM_BYTES
 
-        capacity = self.offload.pool_bytes + available_host_bytes() - DEFAULT_HEADROOM_BYTES
+        capacity = self.offload.pool_bytes + self._available_host() - DEFAULT_HEADROOM_BYTES
         per_microbatch = max(1, int(self._offload_per_token * self._microbatch_tokens))
         fits = max(1, capacity // per_microbatch)
         if fits < k:
