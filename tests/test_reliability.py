@@ -448,6 +448,39 @@ def test_dead_update_thread_does_not_hang(monkeypatch):
     engine.detach()
 
 
+def test_gradient_queue_back_pressure_waits_and_never_hangs():
+    """The CUDA gradient pipeline queues at most MAX_PENDING_SENDS units: a send waits until the
+    worker finished one, and a worker that died raises instead of blocking forever."""
+    from megatrain_hf.grads import MAX_PENDING_SENDS
+
+    engine = attach(tiny_model("llama"), device="cpu")
+    sink = engine.grads
+    sink._pending = MAX_PENDING_SENDS
+
+    def finish_one():
+        time.sleep(0.2)
+        with sink._cond:
+            sink._pending -= 1
+            sink._cond.notify_all()
+
+    helper = threading.Thread(target=finish_one)
+    started = time.perf_counter()
+    helper.start()
+    with deadline(20):
+        sink._wait_pending(MAX_PENDING_SENDS - 1)  # returns once the worker took one off the queue
+    assert time.perf_counter() - started >= 0.15 and sink._pending == MAX_PENDING_SENDS - 1
+    helper.join()
+
+    dead = threading.Thread(target=lambda: None)
+    dead.start()
+    dead.join()
+    sink._worker = dead  # the worker ended with units still queued
+    with deadline(20), pytest.raises(RuntimeError, match="gradient worker died"):
+        sink._wait_pending(0)
+    sink._worker, sink._pending = None, 0
+    engine.detach()
+
+
 # ---------------------------------------------------------------------------------- security
 class _Evil:
     def __init__(self, marker: Path) -> None:
