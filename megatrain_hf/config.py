@@ -105,7 +105,7 @@ class MegaTrainConfig:
     max_gpu_memory: str | int | None = None
     """GPU memory budget for this process, e.g. `"24GiB"`, `"20GB"` or a byte count; `None`: no
     budget. The engine caps PyTorch's allocator there (`torch.cuda.set_per_process_memory_fraction`),
-    switches it to expandable segments (unless `PYTORCH_CUDA_ALLOC_CONF` says otherwise: at the cap,
+    switches it to expandable segments (unless `PYTORCH_ALLOC_CONF` or `PYTORCH_CUDA_ALLOC_CONF` say otherwise: at the cap,
     fixed segments fragment and every failed allocation empties the cache, a device-wide
     synchronisation; `megatrain/alloc_retries` in the logs counts those) and sizes the layer-major schedule to it: the first optimizer step runs its micro-batches one
     at a time and measures the GPU peak and the activation-checkpoint bytes of a micro-batch; later

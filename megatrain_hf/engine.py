@@ -126,11 +126,11 @@ def _use_expandable_segments() -> Callable[[], None] | None:
     allocator frees its cache (a device-wide synchronisation, then ``cudaFree`` / ``cudaMalloc``)
     and retries. Expandable segments map pages into one growing range per stream instead, so what
     is reserved stays close to what is allocated. The setting applies to segments created after
-    it; the user's own ``PYTORCH_CUDA_ALLOC_CONF`` wins.
+    it; the user's own ``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF`` wins.
     """
     import os
 
-    if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+    if any("expandable_segments" in os.environ.get(name, "") for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")):
         return None
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is None:  # torch < 2.12

@@ -121,7 +121,7 @@ class GradSink:
         """End of a group's backward: send sums whose calls did not all run backward."""
         held, self._held = self._held, {}
         for owner in sorted(held):
-            self._send(owner, list(held[owner].values()), want_norm=True)
+            self._send(owner, list(held[owner].values()), want_norm=True, timed=False)
 
     # ------------------------------------------------------------------ submit
     def submit(self, u: int, entries: list[Entry], grads: list[torch.Tensor | None]) -> None:
@@ -144,7 +144,7 @@ class GradSink:
             local = self._merge_foreign(local, pending)
         self._send(u, local, want_norm=self.final_microbatch())
 
-    def _send(self, u: int, local: list[tuple[Entry, torch.Tensor]], want_norm: bool) -> None:
+    def _send(self, u: int, local: list[tuple[Entry, torch.Tensor]], want_norm: bool, timed: bool = True) -> None:
         """Unit ``u``'s gradients (owned by ``u``) into its host accumulators."""
         if self._worker is None:
             for e, g in local:
@@ -153,7 +153,8 @@ class GradSink:
             return
         grad_host = self.store.buffers[u].grad_host
         fresh, added, sent = [], [], []
-        for e, g in local:
+        merged = self._merge_duplicates(local)
+        for e, g in merged:
             grad = e.tensor.grad
             if grad is None:  # the step's first contribution: straight into the accumulator
                 fresh.append((e, g))
@@ -167,12 +168,25 @@ class GradSink:
         # gradient is in this send; then its norms (fp32, as of the fp32 .grad that plain training
         # clips) come from the GPU, else the worker reads the host accumulators.
         owned = (e for e in self.store.entries[u] if e.owner == u and e.kind == "trainable")
-        whole = len(sent) == len(local) and all(e.tensor.grad is None or any(e is s_ for s_ in sent) for e in owned)
+        whole = len(sent) == len(merged) and all(e.tensor.grad is None or any(e is s_ for s_ in sent) for e in owned)
         gpu_norms = want_norm and whole and bool(sent)
         waited = time.perf_counter()
         self._wait_pending(MAX_PENDING_SENDS - 1)  # back-pressure: the compute waits for the link
-        self.stats.grad_wait_s += time.perf_counter() - waited
-        start, done, norms_host = self._copy_down(fresh, added, grad_host, gpu_norms)
+        if timed:  # (wait() times its own flush)
+            self.stats.grad_wait_s += time.perf_counter() - waited
+        try:
+            start, done, norms_host = self._copy_down(fresh, added, grad_host, gpu_norms)
+        except BaseException:
+            # e.g. out of memory in a cast after some copies were queued: they read `local`, which
+            # must outlive them, and the accumulators they write must be final before anyone reads
+            self.stream.synchronize()
+            raise
+        # .grad points at the accumulator now, in this thread: the next send of this unit (another
+        # micro-batch, a flushed group sum) must add to what this one queued, not copy over it;
+        # the accumulator is read only after wait(), once the copies landed
+        for e, _ in fresh:
+            e.tensor.grad = grad_host[e.offset : e.offset + e.numel].view(e.shape)
+        key = self._grad_key(u)  # what the norms describe: a later change of .grad invalidates them
         with self._cond:
             self._pending += 1
         self.norms[u] = None
@@ -180,7 +194,22 @@ class GradSink:
         # until the worker saw the copies end: the caching allocator must not hand their memory to
         # the compute stream first. What _copy_down allocated on the grad stream is freed at once:
         # only later work on that same stream can reuse it.
-        self._jobs.put((u, fresh, (start, done), local, norms_host if gpu_norms else want_norm))
+        self._jobs.put((u, key, (start, done), local, norms_host if gpu_norms else want_norm))
+
+    @staticmethod
+    def _merge_duplicates(local: list[tuple[Entry, torch.Tensor]]) -> list[tuple[Entry, torch.Tensor]]:
+        """One (entry, gradient) per accumulator region: a tensor listed twice in a unit gets the sum
+        of its gradients, as autograd gives a parameter used twice."""
+        by_offset: dict[int, int] = {}
+        merged: list[tuple[Entry, torch.Tensor]] = []
+        for e, g in local:
+            i = by_offset.get(e.offset)
+            if i is None:
+                by_offset[e.offset] = len(merged)
+                merged.append((e, g))
+            else:
+                merged[i] = (merged[i][0], merged[i][1].float() + g.float())
+        return merged
 
     def _copy_down(self, fresh, added, grad_host, gpu_norms: bool):
         """Queue one unit's transfers on the grad stream: ``fresh`` gradients down into the
@@ -249,17 +278,14 @@ class GradSink:
 
     # ------------------------------------------------------------------ worker
     def _process(self, job) -> None:
-        u, fresh, (start, done), _local, want_norm = job
+        u, key, (start, done), _local, want_norm = job
         try:
             done.synchronize()
             self.stats.grad_stream_busy_s += start.elapsed_time(done) / 1e3  # its effective link rate
-            grad_host = self.store.buffers[u].grad_host
-            for e, _ in fresh:  # copied straight into the accumulator: point .grad at it
-                e.tensor.grad = grad_host[e.offset : e.offset + e.numel].view(e.shape)
-            if isinstance(want_norm, torch.Tensor):  # computed on the GPU, in the unit's send order
-                self.norms[u] = (self._grad_key(u), list(want_norm.unbind()))
-            elif want_norm:
-                self.norms[u] = self._unit_norms(u)
+            if isinstance(want_norm, torch.Tensor):  # computed on the GPU, as of the send (key)
+                self.norms[u] = (key, list(want_norm.unbind()))
+            elif want_norm:  # from the host accumulators; valid only if no later send changed them
+                self.norms[u] = (key, self._unit_norms(u)[1])
         except BaseException as exc:  # surfaced in the training thread by raise_error()
             logger.exception("gradient accumulation of unit %d failed", u)
             self._error = exc
@@ -274,6 +300,7 @@ class GradSink:
         if self._held:
             self._flush_held()
         if self._foreign:
+            self._wait_pending(0)  # the owner's own send may still be landing in the same accumulator
             self.flush_foreign()
         self._wait_pending(0)
         self.raise_error()

@@ -10,6 +10,8 @@ from typing import Any, Iterable
 import psutil
 import torch
 
+from ..grads import MAX_PENDING_SENDS
+
 from ..loss import chunk_tokens as loss_chunk
 from ..store import wire_dtype
 from .shapes import PRESETS, ModelShape
@@ -235,10 +237,10 @@ class MemoryPlan:
     intermediates in the compute dtype, the fp32 residual-stream/norm tensors and the fp32
     gradients flowing in and out, for ``micro_batch * seq_len`` tokens."""
     gpu_weight_grads: int
-    """Gradients of the largest unit's trainable weights, counted in fp32 twice: the gradients (an
-    upper bound: autograd returns them in the wire dtype and each is converted to fp32 on the device
-    before its D2H) and, for a later contribution of the step, the accumulator they are added to
-    on the device."""
+    """Gradients of the largest unit's trainable weights in fp32 (an upper bound: autograd returns
+    them in the wire dtype), ``MAX_PENDING_SENDS + 2`` times: the units queued on the grad stream
+    keep theirs until their copies end, plus the unit computing and, for a later contribution of
+    the step, the accumulator they are added to on the device."""
     gpu_logits: int
     """Loss: logits in the compute dtype (kept in the model output) + fp32 log-probabilities + two
     fp32 gradients, ``tokens x vocab`` each."""
@@ -333,7 +335,7 @@ class MemoryPlan:
                             if self.host_checkpoints else
                             f"checkpoints ({n_ckpt} units x {self.micro_batches_in_flight} micro-batch)"),
             "layer_working_set": "one layer's recompute working set",
-            "weight_grads": "weight grads of largest unit (fp32)",
+            "weight_grads": f"weight grads, fp32 ({MAX_PENDING_SENDS + 2} x largest unit)",
             "logits": "logits + loss (tokens or one chunk x vocab)",
             "runtime": "CUDA context + workspaces (allowance)",
         }
@@ -441,7 +443,7 @@ def plan_memory(
         gpu_weight_slots=2 * max(wire(u) for u in distinct),
         gpu_checkpoints=2 * in_flight * tokens * h * 4 if offload_checkpoints else checkpoints,
         gpu_layer_working_set=tokens * per_token,
-        gpu_weight_grads=2 * max(grads(u) for u in distinct),
+        gpu_weight_grads=(MAX_PENDING_SENDS + 2) * max(grads(u) for u in distinct),
         # chunked loss: one chunk's logits at a time; else every in-flight micro-batch's logits and
         # log-probs wait for the backward (layer-major: the step's one backward)
         gpu_logits=(min(tokens, loss_chunk(loss_chunk_tokens, shape.vocab)) if chunked_loss else in_flight * tokens)

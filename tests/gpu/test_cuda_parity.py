@@ -184,7 +184,7 @@ def test_lora_bf16(tmp_path):
 @pytest.mark.parametrize("layer_major", [False, True])
 def test_streams_with_low_arithmetic_intensity(tmp_path, layer_major):
     """Big layers, 8 tokens: transfers take far longer than compute, so a missing stream wait
-    (weights read before they land, slabs or device sums reused before their copy ends) changes
+    (weights read before they land, device sums or accumulators reused before their copy ends) changes
     the numbers. Gradient accumulation 3, micro-batch by micro-batch and layer-major."""
     shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=6, num_attention_heads=16,
                  num_key_value_heads=16, vocab_size=512, max_position_embeddings=64, attention_dropout=0.0)
