@@ -161,3 +161,58 @@ def test_backward_failing_outside_the_engine_does_not_disarm_the_next_one():
     model.zero_grad()
     model(input_ids=ids, labels=ids).loss.backward()
     assert ran and engine._end_queued is None
+
+
+def test_gradient_round_trip_logic_on_an_emulated_grad_stream():
+    """The CUDA gradient pipeline's bookkeeping, with the grad stream emulated on the CPU: its
+    transfers run in order at once, the worker sees them land late. A unit sent twice before the
+    worker caught up sums both contributions (the second adds to the first instead of copying
+    over it), and the norms cached for clipping are those of the final gradients."""
+    import queue
+    import time
+
+    from megatrain_hf.workers import start_worker
+
+    model = tiny_model("llama")
+    engine = attach(model, device="cpu")
+    sink = engine.grads
+
+    class LateEvent:
+        def synchronize(self):
+            time.sleep(0.05)
+
+        def elapsed_time(self, other):
+            return 0.0
+
+    def copy_down(fresh, added, grad_host, gpu_norms):  # the real one's arithmetic, synchronous
+        sums = []
+        for e, g in added:
+            region = grad_host[e.offset : e.offset + e.numel]
+            region.copy_(region + g.reshape(-1).float())
+            sums.append(region.clone())
+        for e, g in fresh:
+            grad_host[e.offset : e.offset + e.numel].copy_(g.reshape(-1).float())
+            sums.append(g.reshape(-1).float())
+        norms = torch.stack(torch._foreach_norm(sums, 2)) if gpu_norms else None
+        return LateEvent(), LateEvent(), norms
+
+    sink._jobs = queue.Queue()
+    sink._copy_down = copy_down
+    sink._worker = start_worker(sink, sink._jobs, "_process", 1, "emulated-grads")
+    try:
+        u = 1
+        entries = [e for e in engine.store.entries[u] if e.kind == "trainable"]
+        ones = [torch.ones_like(e.tensor) for e in entries]
+        twos = [2 * torch.ones_like(e.tensor) for e in entries]
+        sink.submit(u, entries, ones)
+        sink.submit(u, entries, twos)  # before the worker saw the first land
+        sink.wait()
+        assert {float(v) for e in entries for v in e.tensor.grad.unique()} == {3.0}
+        expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(e.tensor.grad) for e in entries]))
+        cached_key, cached = sink.norms[u]
+        assert cached_key == sink._grad_key(u)
+        assert torch.allclose(torch.linalg.vector_norm(torch.stack(cached)), expected)
+    finally:
+        sink.close()
+        sink._worker = None
+        engine.detach()
