@@ -230,7 +230,7 @@ def test_check_host_memory_error_shows_the_arithmetic_and_the_fix():
     msg = str(info.value)
     for number in ("25.10", "12.31", "112.72", "114.72", "64.00", "50.72"):
         assert number in msg, number
-    assert "Fix" in msg and "LoRA" in msg and "smaller model" in msg
+    assert "Fix" in msg and "LoRA" in msg and "smaller model" in msg and "check_host_memory=False" in msg
     spare = check_host_memory(plan.host_total, plan.host_breakdown(), available=125 * GiB)
     assert spare == 125 * GiB - plan.host_total - 2 * GiB
     assert plan.check_host(available=125 * GiB) == spare

@@ -501,7 +501,9 @@ def check_host_memory(
         f"{_gib(available)} GiB is available:\n" + "\n".join(rows) + "\n"
         "Fix: train a smaller model (fewer layers or a smaller preset; `megatrain estimate` prints the "
         "largest that fits), use LoRA/PEFT (frozen base weights cost 2 B/param in bf16 instead of ~18 B), "
-        "free RAM held by other processes, or use a machine with more RAM."
+        "free RAM held by other processes, or use a machine with more RAM. If this machine grants more "
+        "than it reports available (some VMs grow their RAM as it is used), "
+        "MegaTrainConfig(check_host_memory=False) skips the check."
     )
     raise MemoryError(message)
 
