@@ -331,3 +331,30 @@ def test_bf16_resume_equals_uninterrupted_run(tmp_path):
     assert len(resumed_losses) == len(full_losses) - 6
     assert_close_losses(full_losses[6:], resumed_losses, BF16_LOSS_ATOL)
     assert_close_updates(init, full_state, state_of(resumed), BF16_UPDATE_RTOL)
+
+
+def test_unit_sent_twice_in_one_backward_gets_both_contributions():
+    """Two forwards and one backward (as reward modelling does with chosen and rejected): each
+    unit's gradients are sent twice in the same backward, the second while the first transfer may
+    still be in flight (wide layers, 8 tokens: transfers dominate). The gradients equal those of
+    the same model on the GPU without megatrain (fp32). Before 0e9d14b the second send could copy
+    over the first."""
+    import copy
+
+    from megatrain_hf import attach
+
+    shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=2, num_attention_heads=16,
+                 num_key_value_heads=16, vocab_size=512, max_position_embeddings=64, attention_dropout=0.0)
+    model = tiny_model("llama", **shape)
+    ref = copy.deepcopy(model).cuda()
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, 512, (1, 8), generator=gen).cuda() for _ in range(2))
+    (ref(input_ids=a, labels=a).loss + ref(input_ids=b, labels=b).loss).backward()
+    engine = attach(model, device="cuda")
+    try:
+        (model(input_ids=a, labels=a).loss + model(input_ids=b, labels=b).loss).backward()
+        for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, r.grad.cpu(), rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        engine.detach()
