@@ -95,6 +95,16 @@ class MegaTrainConfig:
     `"auto"`: native when computing on CUDA (falls back to torch, with a warning, if it cannot be
     built), torch on the CPU."""
 
+    device_update: bool = False
+    """Let the compute device share HostAdamW's update: the host worker updates units from the
+    first one forwards while a second worker takes units from the last one backwards and updates
+    them on the GPU (masters, gradients and moments up the link, torch's fused AdamW there, masters,
+    moments and the compute-dtype copy back down) until they meet. Worth it where the host's cores,
+    not its memory, bound the update (the host probe, `scripts/host_probe.py`, compares the update
+    with and without DMA traffic). Same formula; on CUDA the units it updates differ from the host
+    kernel's results in the last bit. Takes ~16 B per parameter of one unit of GPU memory while it
+    runs. Experimental: not measured on a GPU yet."""
+
     host_staging: bool | str = "auto"
     """Keep a compute-dtype (bf16) copy of the matrix masters in host RAM (2 B/param, refreshed by
     the update) and send that over the link, or send the fp32 masters and round them to bf16 on
@@ -170,6 +180,8 @@ class MegaTrainConfig:
             raise ValueError(
                 f"MegaTrainConfig.offload_checkpoints={self.offload_checkpoints!r}; allowed: True, False or 'auto'."
             )
+        if not isinstance(self.device_update, bool):
+            raise ValueError(f"MegaTrainConfig.device_update={self.device_update!r}; allowed: True or False.")
         if self.pin_memory not in (True, False, "auto"):
             raise ValueError(
                 f"MegaTrainConfig.pin_memory={self.pin_memory!r}; allowed: True, False or 'auto'."

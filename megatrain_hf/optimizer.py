@@ -13,6 +13,8 @@ NOTE: it subclasses ``torch.optim.Optimizer`` so that HF's LR schedulers, ``zero
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -43,6 +45,7 @@ class HostAdamW(torch.optim.Optimizer):
         exact_clipping: bool = True,
         host_threads: int | None = None,
         kernel: str = "torch",
+        device_update: bool = False,
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -71,11 +74,23 @@ class HostAdamW(torch.optim.Optimizer):
         # time spent in unit updates and the elements they updated (read and reset by take_update_stats)
         self._update_stats_lock = threading.Lock()
         self._update_s, self._updated_numel = 0.0, 0
+        self._device_numel = 0  # ... of them updated on the compute device (device_update)
+        # device_update: a second worker updates units from the last one backwards on the store's
+        # compute device while the host worker goes forwards from the first, until they meet
+        self.device_update = bool(device_update) and asynchronous
+        self._device_stream = None
+        if self.device_update and store.device.type == "cuda":
+            self._device_stream = torch.cuda.Stream(store.device)
         if asynchronous:
             self._jobs: queue.Queue = queue.Queue()
             self._cond = threading.Condition()
             self._pending = 0
             self._worker = start_worker(self, self._jobs, "_serve_one", host_threads, "megatrain-adamw")
+            self._deque: collections.deque = collections.deque()  # device_update: a step's jobs, both ends
+            self._device_worker = None
+            if self.device_update:
+                self._device_jobs: queue.Queue = queue.Queue()
+                self._device_worker = start_worker(self, self._device_jobs, "_drain_back", 1, "megatrain-adamw-device")
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, store: HostStore, **kwargs) -> "HostAdamW":
@@ -197,7 +212,8 @@ class HostAdamW(torch.optim.Optimizer):
             self._skip_next = False
             self.skipped_steps += 1
             return loss
-        if self.asynchronous and not self._worker.is_alive():
+        if self.asynchronous and (not self._worker.is_alive() or (
+                self._device_worker is not None and not self._device_worker.is_alive())):
             raise RuntimeError(
                 "HostAdamW worker thread is not running (the optimizer was closed, or the thread ended); "
                 "build a new optimizer or restart from the last checkpoint"
@@ -220,6 +236,12 @@ class HostAdamW(torch.optim.Optimizer):
             return loss
         with self._cond:
             self._pending += len(jobs)
+        if self.device_update:
+            with self._cond:
+                self._deque.extend(jobs)
+            self._jobs.put(_DRAIN)  # the host worker takes jobs from the front (unit 0 first) ...
+            self._device_jobs.put(_DRAIN)  # ... the device worker from the back, until none is left
+            return loss
         for job in jobs:
             self._jobs.put(job)
         return loss
@@ -259,11 +281,20 @@ class HostAdamW(torch.optim.Optimizer):
             self._update_s, self._updated_numel = 0.0, 0
         return out
 
-    def _run_job(self, job) -> None:
+    def take_device_numel(self) -> int:
+        """Elements updated on the compute device (``device_update``) since the last call."""
+        with self._update_stats_lock:
+            out, self._device_numel = self._device_numel, 0
+        return out
+
+    def _run_job(self, job, on_device: bool = False) -> None:
         u, work = job
         error = None
         start = time.perf_counter()
         try:
+            if on_device:
+                self._run_on_device(u, work)
+                return
             if self._native is not None:
                 self._run_native(u, work)
                 return
@@ -288,8 +319,11 @@ class HostAdamW(torch.optim.Optimizer):
         finally:
             numel = sum(p.numel() for w in work for p in w[1])
             with self._update_stats_lock:
-                self._update_s += time.perf_counter() - start
-                self._updated_numel += numel
+                if on_device:  # runs beside the host's updates: its time is not the host's
+                    self._device_numel += numel
+                else:
+                    self._update_s += time.perf_counter() - start
+                    self._updated_numel += numel
             self.store.end_update(u, error)
 
     def _run_native(self, u: int, work: list) -> None:
@@ -329,17 +363,84 @@ class HostAdamW(torch.optim.Optimizer):
             self.store.stage(u)
 
     def _serve_one(self, job) -> None:
+        if job is _DRAIN:
+            self._drain(front=True)
+            return
         try:
             self._run_job(job)
         finally:
+            self._job_done()
+
+    def _drain_back(self, token) -> None:
+        self._drain(front=False)
+
+    def _drain(self, front: bool) -> None:
+        """device_update: take the step's jobs from one end until none is left."""
+        while True:
             with self._cond:
-                self._pending -= 1
-                self._cond.notify_all()
+                if not self._deque:
+                    return
+                job = self._deque.popleft() if front else self._deque.pop()
+            self.store.claim_update(job[0], threading.current_thread())
+            try:
+                self._run_job(job, on_device=not front)
+            finally:
+                self._job_done()
+
+    def _job_done(self) -> None:
+        with self._cond:
+            self._pending -= 1
+            self._cond.notify_all()
+
+    def _run_on_device(self, u: int, work: list) -> None:
+        """The update of unit ``u`` on the compute device: masters, gradients and moments go up, torch's
+        fused AdamW runs there (on CUDA its CUDA kernel: same formula, last-bit differences from the
+        host kernel), masters, moments and the compute-dtype copy come back down."""
+        device = self.store.device
+        cuda = device.type == "cuda"
+        staging_was_fresh = self.store.staging_fresh(u)
+        staging = self.store.buffers[u].staging_host
+
+        def up(tensors):
+            return [t.detach().to(device, non_blocking=True) if cuda else t.detach().clone() for t in tensors]
+
+        stream = torch.cuda.stream(self._device_stream) if cuda else contextlib.nullcontext()
+        with stream:
+            for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, entries in work:
+                torch._foreach_add_(steps, 1)
+                dp, dg, dm, dv, dsteps = up(params), up(grads), up(exp_avgs), up(exp_avg_sqs), up(steps)
+                divide_by = None
+                if grad_scale is not None:
+                    how, value = grad_scale
+                    if how == "mul":
+                        torch._foreach_mul_(dg, value.to(device))
+                    else:
+                        divide_by = value.to(device)
+                lr = hyper["lr"]
+                torch._fused_adamw_(
+                    dp, dg, dm, dv, [], dsteps, amsgrad=False, grad_scale=divide_by, found_inf=None,
+                    **{**hyper, "lr": lr.to(device) if isinstance(lr, torch.Tensor) else lr},
+                )
+                for host, dev in zip([*params, *exp_avgs, *exp_avg_sqs], [*dp, *dm, *dv]):
+                    host.detach().copy_(dev, non_blocking=True)
+                if staging is not None:
+                    for e, dev in zip(entries, dp):
+                        if e.wire != torch.float32:
+                            staging[e.offset : e.offset + e.numel].copy_(dev.reshape(-1).to(staging.dtype),
+                                                                         non_blocking=True)
+            if cuda:
+                self._device_stream.synchronize()  # the host flats hold the result before the unit is ready
+        self.store.mark_dirty(u)
+        if staging_was_fresh and staging is not None:
+            self.store.staging_written(u)  # every tensor it changed got its compute-dtype copy
+        else:
+            self.store.stage(u)
 
     def __del__(self) -> None:
-        jobs = getattr(self, "_jobs", None)
-        if jobs is not None:
-            jobs.put(None)
+        for name in ("_jobs", "_device_jobs"):
+            jobs = getattr(self, name, None)
+            if jobs is not None:
+                jobs.put(None)
 
     def synchronize(self) -> None:
         """Wait for the background update of the last ``step()``; re-raise its failure."""
@@ -347,7 +448,8 @@ class HostAdamW(torch.optim.Optimizer):
             with self._cond:
                 while self._pending:
                     self._cond.wait(timeout=1.0)
-                    if not self._worker.is_alive():
+                    if not self._worker.is_alive() or (
+                            self._device_worker is not None and not self._device_worker.is_alive()):
                         raise RuntimeError("HostAdamW worker thread died")
         self.store.raise_error()
 
@@ -366,9 +468,14 @@ class HostAdamW(torch.optim.Optimizer):
             self.synchronize()
             self._jobs.put(None)
             self._worker.join(timeout=60)
+        if self._device_worker is not None and self._device_worker.is_alive():
+            self._device_jobs.put(None)
+            self._device_worker.join(timeout=60)
 
 
 
+
+_DRAIN = object()  # device_update: "take the step's jobs from your end of the deque"
 
 _ADAMW_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "maximize", "amsgrad", "foreach", "fused", "capturable",

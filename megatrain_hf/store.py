@@ -280,6 +280,10 @@ class HostStore:
         self._ready[u].clear()
         self.generation[u] += 1  # now, on the training thread: an upload issued before is stale
 
+    def claim_update(self, u: int, worker: threading.Thread) -> None:
+        """The update of unit ``u`` (begun by :meth:`begin_update`) is run by ``worker`` after all."""
+        self._updaters[u] = worker
+
     def end_update(self, u: int, error: BaseException | None = None) -> None:
         if error is not None and self.error is None:
             self.error = error

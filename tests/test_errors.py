@@ -93,6 +93,7 @@ def test_cuda_without_cuda_refused():
         ({"compute_dtype": "fp16"}, "fp16 is not supported"),
         ({"device": "gpu0"}, "not a torch device"),
         ({"pin_memory": "yes"}, "allowed: True, False or 'auto'"),
+        ({"device_update": "yes"}, r"device_update='yes'; allowed: True or False"),
     ],
 )
 def test_bad_config_values(kwargs, message):

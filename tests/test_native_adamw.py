@@ -96,3 +96,4 @@ def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
         assert HostAdamW(model.parameters(), store=engine.store, kernel="native").kernel == "torch"
     finally:
         native.host_adamw.cache_clear()
+

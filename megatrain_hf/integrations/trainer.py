@@ -130,6 +130,7 @@ class MegaTrainPlugin(TrainerCallback):
                     exact_clipping=plugin.config.exact_clipping,
                     host_threads=plugin.engine.host_threads,
                     kernel=plugin.config.resolve_host_adamw_kernel(plugin.engine.device),
+                    device_update=plugin.config.device_update,
                 )
                 logger.info("megatrain: AdamW runs as HostAdamW on the host flats (same math)")
             return self.optimizer
@@ -397,6 +398,9 @@ class MegaTrainPlugin(TrainerCallback):
                 out["megatrain/grad_stream_GBps_busy"] = stats.grad_stream_bytes / 1e9 / stats.grad_stream_busy_s
         if optimizer is not None:  # the host update's own time, hidden or not, and its rate
             update_s, updated = optimizer.take_update_stats()
+            on_device = optimizer.take_device_numel()
+            if optimizer.device_update and updated + on_device > 0:
+                out["megatrain/update_device_frac"] = on_device / (updated + on_device)
             if self._last_log is not None and update_s > 0:
                 out["megatrain/update_frac"] = update_s / elapsed
                 out["megatrain/update_Gparams_per_s"] = updated / update_s / 1e9

@@ -358,3 +358,22 @@ def test_unit_sent_twice_in_one_backward_gets_both_contributions():
             torch.testing.assert_close(p.grad, r.grad.cpu(), rtol=1e-4, atol=1e-6, msg=name)
     finally:
         engine.detach()
+
+
+def test_bf16_parity_with_device_update(tmp_path):
+    """device_update=True: the GPU updates units from the last one backwards while the host goes
+    forwards; training matches plain Trainer within the bf16 tolerances, and both shared the work."""
+    shape = {**SHAPE, "attention_dropout": 0.0}
+    args = dict(bf16=True, gradient_accumulation_steps=2)
+    ref = tiny_model("llama", **shape)
+    init = state_of(ref)
+    _, ref_losses = train(ref, _args(tmp_path / "ref", **args), dataset=_data())
+    model = tiny_model("llama", **shape)
+    trainer, losses = train(model, _args(tmp_path / "mt", **args), dataset=_data(),
+                            callbacks=[MegaTrainPlugin(device_update=True)])
+    ref_state = {n: p.cpu() for n, p in state_of(ref).items()}
+    _report("bf16_parity_device_update_llama", ref_losses, losses, ref_state, state_of(model))
+    assert_close_losses(ref_losses, losses, BF16_LOSS_ATOL)
+    assert_close_updates(init, ref_state, state_of(model), BF16_UPDATE_RTOL)
+    shares = [h["megatrain/update_device_frac"] for h in trainer.state.log_history if "megatrain/update_device_frac" in h]
+    assert shares and max(shares) > 0, shares

@@ -1,0 +1,103 @@
+"""HostAdamW's device_update: a second worker updates units from the last one backwards on the
+compute device while the host worker goes forwards, until they meet. On the CPU the "device" is
+the CPU (the same fused kernel on copies), so the results are bitwise those of torch's AdamW."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import assert_close_losses, state_of, tiny_model, train, training_args
+from megatrain_hf import HostAdamW, MegaTrainPlugin, attach, engine_of
+
+
+def _groups(model):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatch):
+    """device_update: the host worker takes units from the front, a second worker from the back
+    (here the "device" is the CPU: the same fused kernel on copies), until they meet. Every unit is
+    updated once per step, bitwise like torch.optim.AdamW(fused=True), with its staging copy fresh."""
+    import threading
+    import time
+
+    models = [tiny_model("llama", hidden_size=96, intermediate_size=200), tiny_model("llama", hidden_size=96,
+                                                                                       intermediate_size=200)]
+    engine = attach(models[1], device="cpu", config=None, bf16=True)  # bf16: a staging copy exists
+    ref_opt = torch.optim.AdamW(_groups(models[0]), lr=3e-3, betas=(0.9, 0.95), eps=1e-7, fused=True)
+    opt = HostAdamW(_groups(models[1]), store=engine.store, lr=3e-3, betas=(0.9, 0.95), eps=1e-7, kernel="torch",
+                    device_update=True)
+    on_device, on_host = [], []
+    run_on_device, run_job = opt._run_on_device, opt._run_job
+    both_started = threading.Barrier(2, timeout=20)  # each end takes its first unit before either goes on
+
+    def device(u, work):
+        on_device.append(u)
+        run_on_device(u, work)
+
+    def host_or_device(job, on_device=False):
+        if not on_device:
+            on_host.append(job[0])
+        if len(on_host if not on_device else on_device_seen) == (1 if not on_device else 0):
+            both_started.wait()
+        if on_device:
+            on_device_seen.append(job[0])
+        time.sleep(0.01)
+        run_job(job, on_device)
+
+    on_device_seen = []
+
+    monkeypatch.setattr(opt, "_run_on_device", device)
+    monkeypatch.setattr(opt, "_run_job", host_or_device)
+    for step in range(4):
+        torch.manual_seed(step)
+        grads = {n: torch.randn_like(p) for n, p in models[0].named_parameters()}
+        for model, optimizer in ((models[0], ref_opt), (models[1], opt)):
+            for n, p in model.named_parameters():
+                p.grad = grads[n].clone()
+            if optimizer is ref_opt:
+                torch._foreach_mul_([p.grad for p in model.parameters()], 0.37)
+            else:
+                optimizer.set_clip_coef(torch.tensor(0.37))
+            optimizer.step()
+            optimizer.zero_grad()
+        opt.synchronize()
+        units = len(opt._plan)
+        assert sorted(on_device + on_host) == sorted(opt._plan) and on_device and on_host, (on_host, on_device)
+        assert max(on_host) < min(on_device)  # the host from the front, the device from the back
+        on_device.clear(), on_host.clear(), on_device_seen.clear()
+        both_started.reset()
+    assert units > 2
+    ref, got = state_of(models[0]), state_of(models[1])
+    for n in ref:
+        assert torch.equal(ref[n], got[n]), n
+    for p_ref, p in zip(models[0].parameters(), models[1].parameters()):
+        st_ref, st = ref_opt.state[p_ref], opt.state[p]
+        assert float(st_ref["step"]) == float(st["step"])
+        assert torch.equal(st["exp_avg"], st_ref["exp_avg"]) and torch.equal(st["exp_avg_sq"], st_ref["exp_avg_sq"])
+    for n, p in models[1].named_parameters():
+        e = engine.store.home_of(p)[1]
+        if e.wire == torch.bfloat16:
+            staged = engine.store.buffers[e.owner].staging_host[e.offset : e.offset + e.numel]
+            assert torch.equal(staged, p.detach().reshape(-1).to(torch.bfloat16)), n
+    assert all(engine.store.staging_fresh(u) for u, b in enumerate(engine.store.buffers) if b.staging_host is not None)
+    opt.close()
+    assert not opt._device_worker.is_alive()
+
+
+
+def test_trainer_with_device_update_equals_plain_trainer(tmp_path):
+    args = dict(gradient_accumulation_steps=2, max_grad_norm=0.05)  # clipping active
+    ref_model = tiny_model("llama")
+    _, ref_losses = train(ref_model, training_args(tmp_path / "ref", **args))
+    model = tiny_model("llama")
+    trainer, losses = train(model, training_args(tmp_path / "mt", **args),
+                            callbacks=[MegaTrainPlugin(device_update=True)])
+    assert trainer.optimizer.optimizer.device_update
+    assert any("megatrain/update_device_frac" in h for h in trainer.state.log_history)
+    assert_close_losses(ref_losses, losses, 0.0)
+    ref, got = state_of(ref_model), state_of(model)
+    assert all(torch.equal(ref[n], got[n]) for n in ref)
+    engine_of(model).detach()
