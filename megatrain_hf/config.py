@@ -102,8 +102,8 @@ class MegaTrainConfig:
     moments and the compute-dtype copy back down) until they meet. Worth it where the host's cores,
     not its memory, bound the update (the host probe, `scripts/host_probe.py`, compares the update
     with and without DMA traffic). Same formula; on CUDA the units it updates differ from the host
-    kernel's results in the last bit. Takes ~16 B per parameter of one unit of GPU memory while it
-    runs. Experimental: not measured on a GPU yet."""
+    kernel's results in the last bit. Sends a unit up in pieces of 32 M elements (~0.6 GB of GPU
+    memory while it runs). Experimental: not measured on a GPU yet."""
 
     host_staging: bool | str = "auto"
     """Keep a compute-dtype (bf16) copy of the matrix masters in host RAM (2 B/param, refreshed by

@@ -81,16 +81,17 @@ class HostAdamW(torch.optim.Optimizer):
         self._device_stream = None
         if self.device_update and store.device.type == "cuda":
             self._device_stream = torch.cuda.Stream(store.device)
+        self._device_worker = None
         if asynchronous:
             self._jobs: queue.Queue = queue.Queue()
             self._cond = threading.Condition()
             self._pending = 0
             self._worker = start_worker(self, self._jobs, "_serve_one", host_threads, "megatrain-adamw")
             self._deque: collections.deque = collections.deque()  # device_update: a step's jobs, both ends
-            self._device_worker = None
             if self.device_update:
                 self._device_jobs: queue.Queue = queue.Queue()
-                self._device_worker = start_worker(self, self._device_jobs, "_drain_back", 1, "megatrain-adamw-device")
+                self._device_worker = start_worker(self, self._device_jobs, "_drain_back", host_threads,
+                                                   "megatrain-adamw-device")  # (torch's thread count is per process)
 
     @classmethod
     def from_optimizer(cls, optimizer: torch.optim.Optimizer, store: HostStore, **kwargs) -> "HostAdamW":
@@ -393,43 +394,59 @@ class HostAdamW(torch.optim.Optimizer):
             self._cond.notify_all()
 
     def _run_on_device(self, u: int, work: list) -> None:
-        """The update of unit ``u`` on the compute device: masters, gradients and moments go up, torch's
-        fused AdamW runs there (on CUDA its CUDA kernel: same formula, last-bit differences from the
-        host kernel), masters, moments and the compute-dtype copy come back down."""
+        """The update of unit ``u`` on the compute device, in pieces of at most ``DEVICE_UPDATE_CHUNK``
+        elements (AdamW is elementwise): masters, gradients and moments go up, torch's fused AdamW
+        runs there (on CUDA its CUDA kernel: same formula, last-bit differences from the host
+        kernel), masters, moments and the compute-dtype copy come back down. The clip scale applies
+        to the uploaded gradients only (as with the native kernel, ``param.grad`` is left as it is)."""
         device = self.store.device
         cuda = device.type == "cuda"
         staging_was_fresh = self.store.staging_fresh(u)
         staging = self.store.buffers[u].staging_host
 
         def up(tensors):
-            return [t.detach().to(device, non_blocking=True) if cuda else t.detach().clone() for t in tensors]
+            return [t.to(device, non_blocking=True) if cuda else t.clone() for t in tensors]
+
+        def run(batch, hyper, grad_scale):
+            steps, hosts = [b[0] for b in batch], [[b[i] for b in batch] for i in range(1, 5)]
+            dp, dg, dm, dv = (up(h) for h in hosts)
+            divide_by = None
+            if grad_scale is not None:
+                how, value = grad_scale
+                if how == "mul":
+                    torch._foreach_mul_(dg, value.to(device))
+                else:
+                    divide_by = value.to(device)
+            torch._fused_adamw_(dp, dg, dm, dv, [], up(steps), amsgrad=False, grad_scale=divide_by, found_inf=None,
+                                **hyper)
+            for host, dev in zip([*hosts[0], *hosts[2], *hosts[3]], [*dp, *dm, *dv]):
+                host.copy_(dev, non_blocking=True)
+            for (*_, stage), dev in zip(batch, dp):
+                if stage is not None:
+                    stage.copy_(dev.to(stage.dtype), non_blocking=True)
 
         stream = torch.cuda.stream(self._device_stream) if cuda else contextlib.nullcontext()
-        with stream:
-            for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, entries in work:
-                torch._foreach_add_(steps, 1)
-                dp, dg, dm, dv, dsteps = up(params), up(grads), up(exp_avgs), up(exp_avg_sqs), up(steps)
-                divide_by = None
-                if grad_scale is not None:
-                    how, value = grad_scale
-                    if how == "mul":
-                        torch._foreach_mul_(dg, value.to(device))
-                    else:
-                        divide_by = value.to(device)
-                lr = hyper["lr"]
-                torch._fused_adamw_(
-                    dp, dg, dm, dv, [], dsteps, amsgrad=False, grad_scale=divide_by, found_inf=None,
-                    **{**hyper, "lr": lr.to(device) if isinstance(lr, torch.Tensor) else lr},
-                )
-                for host, dev in zip([*params, *exp_avgs, *exp_avg_sqs], [*dp, *dm, *dv]):
-                    host.detach().copy_(dev, non_blocking=True)
-                if staging is not None:
-                    for e, dev in zip(entries, dp):
-                        if e.wire != torch.float32:
-                            staging[e.offset : e.offset + e.numel].copy_(dev.reshape(-1).to(staging.dtype),
-                                                                         non_blocking=True)
-            if cuda:
-                self._device_stream.synchronize()  # the host flats hold the result before the unit is ready
+        try:
+            with stream:
+                for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, entries in work:
+                    torch._foreach_add_(steps, 1)
+                    batch, size = [], 0
+                    for step, p, g, m, v, e in zip(steps, params, grads, exp_avgs, exp_avg_sqs, entries):
+                        flats = [t.detach().reshape(-1) for t in (p, g, m, v)]
+                        stage = (staging[e.offset : e.offset + e.numel]
+                                 if staging is not None and e.wire != torch.float32 else None)
+                        for lo in range(0, e.numel, DEVICE_UPDATE_CHUNK):
+                            hi = min(lo + DEVICE_UPDATE_CHUNK, e.numel)
+                            if batch and size + hi - lo > DEVICE_UPDATE_CHUNK:
+                                run(batch, hyper, grad_scale)
+                                batch, size = [], 0
+                            batch.append((step, *(f[lo:hi] for f in flats), stage[lo:hi] if stage is not None else None))
+                            size += hi - lo
+                    if batch:
+                        run(batch, hyper, grad_scale)
+        finally:
+            if cuda:  # the host flats hold the result (or nothing is still writing them) before the unit is ready
+                self._device_stream.synchronize()
         self.store.mark_dirty(u)
         if staging_was_fresh and staging is not None:
             self.store.staging_written(u)  # every tensor it changed got its compute-dtype copy
@@ -476,6 +493,9 @@ class HostAdamW(torch.optim.Optimizer):
 
 
 _DRAIN = object()  # device_update: "take the step's jobs from your end of the deque"
+DEVICE_UPDATE_CHUNK = 1 << 25
+"""device_update: elements per piece sent up (32 M: ~0.6 GB of GPU memory with their gradients,
+moments and bf16 copy), so a large unit (an untied lm_head) never needs all its state on the GPU."""
 
 _ADAMW_KEYS = frozenset(
     {"params", "lr", "betas", "eps", "weight_decay", "maximize", "amsgrad", "foreach", "fused", "capturable",

@@ -4,6 +4,7 @@ the CPU (the same fused kernel on copies), so the results are bitwise those of t
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import assert_close_losses, state_of, tiny_model, train, training_args
@@ -16,12 +17,18 @@ def _groups(model):
     return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatch):
+@pytest.mark.parametrize("chunk", [None, 1024], ids=["whole", "in-pieces"])
+def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatch, chunk):
     """device_update: the host worker takes units from the front, a second worker from the back
     (here the "device" is the CPU: the same fused kernel on copies), until they meet. Every unit is
     updated once per step, bitwise like torch.optim.AdamW(fused=True), with its staging copy fresh."""
     import threading
     import time
+
+    import megatrain_hf.optimizer as optimizer_module
+
+    if chunk is not None:  # tensors of the tiny model go up in several pieces (a multiple of 16 elements)
+        monkeypatch.setattr(optimizer_module, "DEVICE_UPDATE_CHUNK", chunk)
 
     models = [tiny_model("llama", hidden_size=96, intermediate_size=200), tiny_model("llama", hidden_size=96,
                                                                                        intermediate_size=200)]
@@ -101,3 +108,12 @@ def test_trainer_with_device_update_equals_plain_trainer(tmp_path):
     ref, got = state_of(ref_model), state_of(model)
     assert all(torch.equal(ref[n], got[n]) for n in ref)
     engine_of(model).detach()
+
+
+def test_synchronous_optimizer_closes():
+    model = tiny_model("llama")
+    engine = attach(model, device="cpu")
+    opt = HostAdamW(_groups(model), store=engine.store, asynchronous=False, device_update=True)
+    assert not opt.device_update  # nothing runs in the background: the host does every unit
+    opt.close()
+    engine.detach()
