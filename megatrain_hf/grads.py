@@ -177,7 +177,7 @@ class GradSink:
         try:
             start, done, norms_host = self._copy_down(fresh, added, grad_host, gpu_norms)
         except BaseException:
-            # e.g. out of memory in a cast after some copies were queued: they read `local`, which
+            # e.g. out of memory in a cast after some copies were queued: they read `merged`, which
             # must outlive them, and the accumulators they write must be final before anyone reads
             self.stream.synchronize()
             raise
@@ -190,11 +190,11 @@ class GradSink:
         with self._cond:
             self._pending += 1
         self.norms[u] = None
-        # local (device gradients from the compute stream, read by the grad stream) stays referenced
-        # until the worker saw the copies end: the caching allocator must not hand their memory to
-        # the compute stream first. What _copy_down allocated on the grad stream is freed at once:
-        # only later work on that same stream can reuse it.
-        self._jobs.put((u, key, (start, done), local, norms_host if gpu_norms else want_norm))
+        # merged (device gradients from the compute stream, among them sums made here, read by the
+        # grad stream) stays referenced until the worker saw the copies end: the caching allocator
+        # must not hand their memory to the compute stream first. What _copy_down allocated on the
+        # grad stream is freed at once: only later work on that same stream can reuse it.
+        self._jobs.put((u, key, (start, done), merged, norms_host if gpu_norms else want_norm))
 
     @staticmethod
     def _merge_duplicates(local: list[tuple[Entry, torch.Tensor]]) -> list[tuple[Entry, torch.Tensor]]:
@@ -278,7 +278,7 @@ class GradSink:
 
     # ------------------------------------------------------------------ worker
     def _process(self, job) -> None:
-        u, key, (start, done), _local, want_norm = job
+        u, key, (start, done), _keep, want_norm = job
         try:
             done.synchronize()
             self.stats.grad_stream_busy_s += start.elapsed_time(done) / 1e3  # its effective link rate
