@@ -167,8 +167,9 @@ class GradSink:
         # The GPU knows the whole of each accumulator once every tensor of the unit holding a
         # gradient is in this send; then its norms (fp32, as of the fp32 .grad that plain training
         # clips) come from the GPU, else the worker reads the host accumulators.
+        sent_ids = {id(e) for e in sent}
         owned = (e for e in self.store.entries[u] if e.owner == u and e.kind == "trainable")
-        whole = len(sent) == len(merged) and all(e.tensor.grad is None or any(e is s_ for s_ in sent) for e in owned)
+        whole = len(sent) == len(merged) and all(e.tensor.grad is None or id(e) in sent_ids for e in owned)
         gpu_norms = want_norm and whole and bool(sent)
         waited = time.perf_counter()
         self._wait_pending(MAX_PENDING_SENDS - 1)  # back-pressure: the compute waits for the link

@@ -87,7 +87,7 @@ class HostAdamW(torch.optim.Optimizer):
             self._cond = threading.Condition()
             self._pending = 0
             self._worker = start_worker(self, self._jobs, "_serve_one", host_threads, "megatrain-adamw")
-            self._deque: collections.deque = collections.deque()  # device_update: a step's jobs, both ends
+            self._deque: collections.deque = collections.deque()  # a step's jobs: host from the front, device from the back
             if self.device_update:
                 self._device_jobs: queue.Queue = queue.Queue()
                 self._device_worker = start_worker(self, self._device_jobs, "_drain_back", host_threads,
@@ -237,14 +237,10 @@ class HostAdamW(torch.optim.Optimizer):
             return loss
         with self._cond:
             self._pending += len(jobs)
-        if self.device_update:
-            with self._cond:
-                self._deque.extend(jobs)
-            self._jobs.put(_DRAIN)  # the host worker takes jobs from the front (unit 0 first) ...
+            self._deque.extend(jobs)
+        self._jobs.put(_DRAIN)  # the host worker takes jobs from the front (unit 0 first) ...
+        if self._device_worker is not None:
             self._device_jobs.put(_DRAIN)  # ... the device worker from the back, until none is left
-            return loss
-        for job in jobs:
-            self._jobs.put(job)
         return loss
 
     def _snapshot(self, u: int, gi: int, entries: list[Entry], grad_scale) -> tuple | None:
@@ -357,26 +353,26 @@ class HostAdamW(torch.optim.Optimizer):
             clip = float(grad_scale[1]) if grad_scale is not None else 1.0
             native.adamw(self._native, params, grads, exp_avgs, exp_avg_sqs, stages, scalars, clip,
                          bool(hyper["maximize"]), torch.get_num_threads())
+        self._updated(u, staging_was_fresh)
+
+    def _updated(self, u: int, staging_was_fresh: bool) -> None:
+        """Unit ``u``'s masters changed, by an update that also wrote the compute-dtype copy of every
+        master it changed: that copy is fresh if it was before, else it is refreshed now."""
         self.store.mark_dirty(u)
         if staging_was_fresh:
-            self.store.staging_written(u)  # the kernel wrote the copy of every tensor it changed
+            self.store.staging_written(u)
         else:
             self.store.stage(u)
 
-    def _serve_one(self, job) -> None:
-        if job is _DRAIN:
-            self._drain(front=True)
-            return
-        try:
-            self._run_job(job)
-        finally:
-            self._job_done()
+    def _serve_one(self, token) -> None:
+        self._drain(front=True)
 
     def _drain_back(self, token) -> None:
         self._drain(front=False)
 
     def _drain(self, front: bool) -> None:
-        """device_update: take the step's jobs from one end until none is left."""
+        """Take the step's jobs from one end of the deque until none is left (the host worker: the
+        front; with ``device_update``, the device worker: the back)."""
         while True:
             with self._cond:
                 if not self._deque:
@@ -386,12 +382,9 @@ class HostAdamW(torch.optim.Optimizer):
             try:
                 self._run_job(job, on_device=not front)
             finally:
-                self._job_done()
-
-    def _job_done(self) -> None:
-        with self._cond:
-            self._pending -= 1
-            self._cond.notify_all()
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
 
     def _run_on_device(self, u: int, work: list) -> None:
         """The update of unit ``u`` on the compute device, in pieces of at most ``DEVICE_UPDATE_CHUNK``
@@ -447,11 +440,7 @@ class HostAdamW(torch.optim.Optimizer):
         finally:
             if cuda:  # the host flats hold the result (or nothing is still writing them) before the unit is ready
                 self._device_stream.synchronize()
-        self.store.mark_dirty(u)
-        if staging_was_fresh and staging is not None:
-            self.store.staging_written(u)  # every tensor it changed got its compute-dtype copy
-        else:
-            self.store.stage(u)
+        self._updated(u, staging_was_fresh)
 
     def __del__(self) -> None:
         for name in ("_jobs", "_device_jobs"):
@@ -492,7 +481,7 @@ class HostAdamW(torch.optim.Optimizer):
 
 
 
-_DRAIN = object()  # device_update: "take the step's jobs from your end of the deque"
+_DRAIN = object()  # "take the step's jobs from your end of the deque"
 DEVICE_UPDATE_CHUNK = 1 << 25
 """device_update: elements per piece sent up (32 M: ~0.6 GB of GPU memory with their gradients,
 moments and bf16 copy), so a large unit (an untied lm_head) never needs all its state on the GPU."""
