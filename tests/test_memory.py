@@ -251,12 +251,33 @@ def test_largest_model_and_preset():
     assert largest_preset(1024 * GiB, lora_rank=16) == "llama-70b"
 
 
+@pytest.mark.parametrize("options", [dict(host_staging=False), dict(host_staging=False, offload_checkpoints=True)],
+                         ids=["no-staging", "no-staging+offload"])
+def test_largest_model_plans_with_the_same_options(options):
+    """The depth and width searches plan what plan_memory plans with the same options (the bf16
+    host copy dropped, offloaded checkpoints counted per layer): the deepest model's host bytes
+    are its plan's, and one layer more does not fit."""
+    base = PRESETS["llama-7b"]
+    kw = dict(seq_len=4096, micro_batch=4, grad_accum=1)
+    fit_options = dict(host_staging=False, offload_tokens=4 * 4096 if options.get("offload_checkpoints") else 0)
+    fit = largest_model(251 * GiB, base=base, **fit_options)
+    deepest = plan_memory(fit.deepest, **kw, **options)
+    assert fit.deepest_host_bytes == deepest.host_total <= 249 * GiB
+    assert plan_memory(fit.deepest.with_layers(fit.deepest.layers + 1), **kw, **options).host_total > 249 * GiB
+    assert fit.widest_host_bytes == plan_memory(fit.widest, **kw, **options).host_total <= 249 * GiB
+    # 16 instead of 18 B/param: deeper than with the host copy
+    assert fit.deepest.layers > largest_model(251 * GiB, base=base).deepest.layers
+    assert largest_preset(125 * GiB, **fit_options) == "llama-7b"
+
+
 # ------------------------------------------------------------------------------------ CLI
 def test_estimate_main_on_a_preset(capsys):
     assert estimate_main(["--model", "llama-7b", "--host-gib", "125"]) == 0
     out = capsys.readouterr().out
     assert "HOST RAM" in out and "112.72" in out and "-> fits" in out
     assert "largest preset that fits (bf16): llama-7b" in out and "deepest: 35 layers" in out
+    assert estimate_main(["--model", "llama-7b", "--host-gib", "125", "--no-host-staging"]) == 0
+    assert "deepest: 39 layers" in capsys.readouterr().out  # the search drops the bf16 copy too
     assert estimate_main(["--model", "llama-13b", "--host-gib", "125"]) == 0
     assert "does NOT fit" in capsys.readouterr().out
 

@@ -78,8 +78,15 @@ def estimate_main(argv: list[str] | None = None) -> int:
         available, source = available_host_bytes(), "available on this machine now"
     required = plan.host_total + DEFAULT_HEADROOM_BYTES
     fits = required <= available
-    fit = largest_model(available, base=shape, compute_dtype=plan.compute_dtype, lora_rank=args.lora_rank)
-    preset = largest_preset(available, compute_dtype=plan.compute_dtype, lora_rank=args.lora_rank)
+    # the same options as the plan: the bf16 host copy or not, the offloaded checkpoints' tokens
+    options = dict(
+        compute_dtype=plan.compute_dtype,
+        lora_rank=args.lora_rank,
+        host_staging=args.host_staging,
+        offload_tokens=plan.seq_len * plan.micro_batch * plan.micro_batches_in_flight if args.offload_checkpoints else 0,
+    )
+    fit = largest_model(available, base=shape, **options)
+    preset = largest_preset(available, **options)
     gpu_available = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     if args.json:
         print(json.dumps({

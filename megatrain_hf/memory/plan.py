@@ -101,7 +101,8 @@ def _wire_bytes(t: _Tensor, kind: str, compute_bytes: int) -> int:
     return compute_bytes if t.matrix and kind != "embedding" else 4
 
 
-def _host_tiers(units: list[_UnitLayout], compute_bytes: int) -> dict[str, int]:
+def _host_tiers(units: list[_UnitLayout], compute_bytes: int, host_staging: bool = True) -> dict[str, int]:
+    """Host bytes per tier; without ``host_staging`` the fp32 masters are sent and rounded on the device."""
     trainable = staging = frozen = 0
     for unit in units:
         unit_trainable = 0
@@ -120,9 +121,15 @@ def _host_tiers(units: list[_UnitLayout], compute_bytes: int) -> dict[str, int]:
         "grad": 4 * trainable,
         "exp_avg": 4 * trainable,
         "exp_avg_sq": 4 * trainable,
-        "staging": staging,
+        "staging": staging if host_staging else 0,
         "frozen": frozen,
     }
+
+
+def _offloaded_checkpoint_bytes(shape: ModelShape, tokens: int) -> int:
+    """Activation checkpoints of ``tokens`` (all micro-batches in flight): every decoder layer's,
+    the final norm's and the head's input, fp32 (the residual stream of mixed-precision training)."""
+    return (shape.layers + 2) * tokens * shape.hidden * 4
 
 
 def host_breakdown_for_units(
@@ -396,9 +403,7 @@ def plan_memory(
     cbytes = _COMPUTE_BYTES[compute_dtype]
     dtype_name = "bf16" if cbytes == 2 else "fp32"
     units = _layout(shape, lora_rank, lora_targets)
-    tiers = _host_tiers(units, cbytes)
-    if not host_staging:  # the fp32 masters are sent and rounded on the device
-        tiers["staging"] = 0
+    tiers = _host_tiers(units, cbytes, host_staging)
 
     trainable = sum(t.numel for u in units for t in u.tensors if t.trainable)
     frozen = sum(t.numel for u in units for t in u.tensors if not t.trainable)
@@ -421,7 +426,7 @@ def plan_memory(
     in_flight = grad_accum if layer_major else 1
     h, i = shape.hidden, shape.intermediate
     per_token = cbytes * (2 * h + 2 * shape.q_dim + 2 * shape.kv_dim + 4 * i) + 4 * (6 * h)
-    checkpoints = (shape.layers + 2) * in_flight * tokens * h * 4
+    checkpoints = _offloaded_checkpoint_bytes(shape, in_flight * tokens)
     plan = MemoryPlan(
         shape=shape,
         seq_len=seq_len,
@@ -547,8 +552,10 @@ class ModelFit:
         return "\n".join(parts)
 
 
-def _host_total(shape: ModelShape, compute_dtype: str, lora_rank: int | None) -> int:
-    return sum(_host_tiers(_layout(shape, lora_rank, LORA_TARGETS), _COMPUTE_BYTES[compute_dtype]).values())
+def _host_total(shape: ModelShape, compute_dtype: str, lora_rank: int | None, host_staging: bool = True,
+                offload_tokens: int = 0) -> int:
+    tiers = _host_tiers(_layout(shape, lora_rank, LORA_TARGETS), _COMPUTE_BYTES[compute_dtype], host_staging)
+    return sum(tiers.values()) + _offloaded_checkpoint_bytes(shape, offload_tokens)
 
 
 def largest_model(
@@ -558,6 +565,8 @@ def largest_model(
     compute_dtype: str = "bf16",
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
     lora_rank: int | None = None,
+    host_staging: bool = True,
+    offload_tokens: int = 0,
 ) -> ModelFit:
     """The largest depth and the largest width of ``base`` whose host plan fits ``available_bytes``.
 
@@ -568,12 +577,19 @@ def largest_model(
     steps of ``head_dim * (heads // kv_heads)`` (whole GQA groups of the same head width), the
     intermediate size in proportion (rounded to 256); host bytes grow monotonically with it, so
     a bisection finds the widest.
+
+    ``host_staging`` and ``offload_tokens`` (tokens whose activation checkpoints live in host RAM:
+    sequence x micro-batch x micro-batches in flight, with ``offload_checkpoints``) plan what
+    :func:`plan_memory` plans with the same options.
     """
     _check_int("available_bytes", available_bytes, 0)
     if compute_dtype not in _COMPUTE_BYTES:
         raise ValueError(f"compute_dtype={compute_dtype!r}; allowed: {sorted(_COMPUTE_BYTES)}")
     budget = available_bytes - headroom_bytes
-    one, two = (_host_total(base.with_layers(n), compute_dtype, lora_rank) for n in (1, 2))
+    def total(shape: ModelShape) -> int:
+        return _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens)
+
+    one, two = (total(base.with_layers(n)) for n in (1, 2))
     per_layer = two - one
     fixed = one - per_layer
     layers = (budget - fixed) // per_layer if budget > fixed else 0
@@ -597,7 +613,7 @@ def largest_model(
         )
 
     def fits(k: int) -> bool:
-        return _host_total(widened(k), compute_dtype, lora_rank) <= budget
+        return total(widened(k)) <= budget
 
     widest = None
     if fits(1):
@@ -614,8 +630,8 @@ def largest_model(
         base=base,
         deepest=deepest,
         widest=widest,
-        deepest_host_bytes=_host_total(deepest, compute_dtype, lora_rank) if deepest else 0,
-        widest_host_bytes=_host_total(widest, compute_dtype, lora_rank) if widest else 0,
+        deepest_host_bytes=total(deepest) if deepest else 0,
+        widest_host_bytes=total(widest) if widest else 0,
     )
 
 
@@ -625,12 +641,16 @@ def largest_preset(
     compute_dtype: str = "bf16",
     headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
     lora_rank: int | None = None,
+    host_staging: bool = True,
+    offload_tokens: int = 0,
 ) -> str | None:
     """Name of the real-size preset with the most parameters whose host plan fits, or ``None``
-    (the test preset ``tiny`` is not considered)."""
+    (the test preset ``tiny`` is not considered); options as in :func:`largest_model`."""
     fitting = [
         (shape.params(), name)
         for name, shape in PRESETS.items()
-        if name != "tiny" and _host_total(shape, compute_dtype, lora_rank) + headroom_bytes <= available_bytes
+        if name != "tiny"
+        and _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens) + headroom_bytes
+        <= available_bytes
     ]
     return max(fitting)[1] if fitting else None
