@@ -97,3 +97,38 @@ def test_build_failure_falls_back(monkeypatch, tmp_path, caplog):
     finally:
         native.host_adamw.cache_clear()
 
+
+
+def test_native_kernel_over_many_chunks_and_threads():
+    """Tensors of odd sizes (one empty) spanning several of the kernel's work chunks, which the
+    threads take from a shared counter: any thread count gives the same bits, every element is
+    updated once (against torch's fused AdamW), and the staging copy is the result in bf16."""
+    lib = native.host_adamw()
+    sizes = [1, 300_001, 0, 262_143, 524_289, 77]  # > 4 chunks of 2^18 elements, boundaries inside tensors
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randn(n, generator=gen) for n in sizes]
+    grads = [torch.randn(n, generator=gen) for n in sizes]
+    lr, wd, b1, b2, eps, clip = 1e-2, 0.1, 0.9, 0.95, 1e-8, 0.5
+    scalars = dict(decay=[1 - lr * wd] * len(sizes), lerp=[1 - b1] * len(sizes), beta2=[b2] * len(sizes),
+                   sq_coef=[1 - b2] * len(sizes), bc2_sqrt=[(1 - b2) ** 0.5] * len(sizes), eps=[eps] * len(sizes),
+                   neg_step_size=[-lr / (1 - b1)] * len(sizes))
+    results = []
+    for threads in (1, 3, 8):
+        ps = [b.clone() for b in base]
+        ms, vs = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+        stages = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+        native.adamw(lib, ps, grads, ms, vs, stages, scalars, clip, False, threads)
+        results.append((ps, ms, vs, stages))
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    ps, ms, vs, stages = results[0]
+    ref = [b.clone() for b in base]
+    ref_m, ref_v = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+    torch._fused_adamw_(ref, [g * clip for g in grads], ref_m, ref_v, [], [torch.tensor(1.0)] * len(sizes),
+                        amsgrad=False, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps, maximize=False,
+                        grad_scale=None, found_inf=None)
+    for p, r, s in zip(ps, ref, stages):
+        torch.testing.assert_close(p, r, atol=1e-7, rtol=1e-6)
+        assert torch.equal(s, p.to(torch.bfloat16))
+    assert all(not torch.equal(p, b) for p, b in zip(ps, base) if p.numel())  # every tensor was updated

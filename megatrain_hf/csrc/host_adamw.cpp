@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 #include <algorithm>
+#include <atomic>
 
 namespace {
 
@@ -90,47 +91,51 @@ void update(const Tensor& t, int64_t begin, int64_t end, float clip, bool maximi
 
 extern "C" {
 
-// Update `n` tensors, split over `threads` threads by element count.
-// Returns 0, or -1 if a thread could not be started (nothing is left half-done by that:
-// the calling thread then does that thread's share itself).
+// Update `n` tensors with up to `threads` threads. The concatenated element space is cut into
+// chunks of kChunk elements that the threads take in turn from a shared counter, so a thread that
+// shares its core with the training thread (or the driver's) does less, instead of holding every
+// other thread up at the end as a static split would. Elements are independent: how the work is
+// cut does not change any result. Returns 0, or -1 if a thread could not be started (the threads
+// that did start, and the calling one, then do all the chunks).
 int megatrain_adamw(int64_t n, float** params, const float** grads, float** exp_avgs, float** exp_avg_sqs,
                     uint16_t** stages, const int64_t* sizes, const float* decay, const float* lerp,
                     const float* beta2, const float* sq_coef, const float* bc2_sqrt, const float* eps,
                     const float* neg_step_size, float clip, int maximize, int threads) {
   std::vector<Tensor> ts(n);
-  int64_t total = 0;
+  std::vector<int64_t> starts(n + 1, 0);  // where each tensor begins in the concatenated space
   for (int64_t k = 0; k < n; ++k) {
     ts[k] = Tensor{params[k], grads[k], exp_avgs[k], exp_avg_sqs[k], stages[k], sizes[k], decay[k],
                    lerp[k], beta2[k], sq_coef[k], bc2_sqrt[k], eps[k], neg_step_size[k]};
-    total += sizes[k];
+    starts[k + 1] = starts[k] + sizes[k];
   }
+  const int64_t total = starts[n];
   if (total == 0) return 0;
-  const int64_t grain = 1 << 16;
-  int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, (total + grain - 1) / grain)));
-  // contiguous ranges of the concatenated element space, multiples of 64 elements
-  const int64_t per = ((total + workers - 1) / workers + 63) / 64 * 64;
-  auto run = [&](int w) {
-    const int64_t lo = static_cast<int64_t>(w) * per;
-    const int64_t hi = std::min(total, lo + per);
-    int64_t offset = 0;
-    for (const Tensor& t : ts) {
-      const int64_t a = std::max(lo, offset), b = std::min(hi, offset + t.size);
-      if (a < b) update(t, a - offset, b - offset, clip, maximize != 0);
-      offset += t.size;
-      if (offset >= hi) break;
+  constexpr int64_t kChunk = 1 << 18;  // 1 MiB of each fp32 array: long streams, many chunks per thread
+  const int64_t chunks = (total + kChunk - 1) / kChunk;
+  const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, chunks)));
+  std::atomic<int64_t> next{0};
+  auto run = [&]() {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      const int64_t lo = c * kChunk, hi = std::min(total, lo + kChunk);
+      // the first tensor that ends after lo
+      int64_t k = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
+      for (; k < n && starts[k] < hi; ++k) {
+        const int64_t a = std::max(lo, starts[k]), b = std::min(hi, starts[k + 1]);
+        if (a < b) update(ts[k], a - starts[k], b - starts[k], clip, maximize != 0);
+      }
     }
   };
   std::vector<std::thread> pool;
   int status = 0;
   for (int w = 1; w < workers; ++w) {
     try {
-      pool.emplace_back(run, w);
+      pool.emplace_back(run);
     } catch (...) {
       status = -1;
-      run(w);
+      break;
     }
   }
-  run(0);
+  run();
   for (auto& th : pool) th.join();
   return status;
 }
