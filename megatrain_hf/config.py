@@ -80,8 +80,9 @@ class MegaTrainConfig:
     chunk by chunk over the tokens (forward keeps only the loss; backward recomputes each chunk),
     so tokens x vocab logits never exist at once. Applies to training forwards with `labels`;
     such forwards then return `logits=None`. `"auto"`: on under plain `transformers.Trainer`
-    (which reads only the loss), off for Trainer subclasses (TRL's `SFTTrainer` reads the logits
-    for its metrics) and for `attach()` in your own loop; `True`: always; `False`: never."""
+    (which reads only the loss), off for Trainer subclasses (they may read the logits; TRL's
+    `SFTTrainer` brings its own chunked fused LM head, which the plugin runs in the streamed head
+    unit) and for `attach()` in your own loop; `True`: always; `False`: never."""
 
     loss_chunk_tokens: int | None = None
     """Tokens per chunk of the chunked loss. `None`: about 2^26 logits per chunk (2,097 tokens at

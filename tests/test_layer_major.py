@@ -14,6 +14,7 @@ micro-batches those sums can run in another order, so gradients agree to fp32 ro
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -381,10 +382,9 @@ def test_ctrl_c_while_starting_the_coroutines():
     assert not _microbatch_threads()
 
 
-def test_trl_sft_trainer_layer_major(tmp_path, group_calls):
-    """TRL's SFTTrainer (a Trainer subclass that reads the logits for its metrics): layer-major
-    accumulation, HF's full-logits loss (the chunked loss stays off for subclasses), same losses and
-    parameters as SFTTrainer without megatrain."""
+def _trl_run(out, callbacks, gradient_accumulation_steps=2, max_steps=3):
+    """TRL's SFTTrainer on the tiny llama (random token ids, a word-level tokenizer); returns
+    (trainer, model, losses)."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
     from tokenizers import Tokenizer, models
@@ -394,23 +394,58 @@ def test_trl_sft_trainer_layer_major(tmp_path, group_calls):
     dataset = datasets.Dataset.from_dict({"input_ids": [data[i]["input_ids"].tolist() for i in range(24)]})
     vocab = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1}, unk_token="[UNK]"))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=vocab, pad_token="[PAD]", eos_token="[PAD]", unk_token="[UNK]")
+    model = tiny_model("llama", attention_dropout=0.0)
+    config = trl.SFTConfig(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=2,
+                           gradient_accumulation_steps=gradient_accumulation_steps, learning_rate=2e-3, report_to=[],
+                           use_cpu=True, logging_steps=1, disable_tqdm=True, save_strategy="no", seed=0, data_seed=0,
+                           dataset_kwargs={"skip_prepare_dataset": True})
+    trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                             callbacks=callbacks)
+    trainer.train()
+    return trainer, model, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
-    def run(out, callbacks):
-        model = tiny_model("llama", attention_dropout=0.0)
-        # 2 micro-batches: the device sums add in plain accumulation's order whatever the threads'
-        # timing (with 3, autograd may order the head's sums differently under load; see the top)
-        config = trl.SFTConfig(output_dir=str(out), max_steps=3, per_device_train_batch_size=2,
-                               gradient_accumulation_steps=2, learning_rate=2e-3, report_to=[], use_cpu=True,
-                               logging_steps=1, disable_tqdm=True, save_strategy="no", seed=0, data_seed=0,
-                               dataset_kwargs={"skip_prepare_dataset": True})
-        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
-                                 callbacks=callbacks)
-        trainer.train()
-        return trainer, model, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
-    _, ref, ref_losses = run(tmp_path / "ref", [])
-    trainer, model, losses = run(tmp_path / "mt", [MegaTrainPlugin()])
+def test_trl_sft_trainer_layer_major(tmp_path, group_calls):
+    """TRL's SFTTrainer (a Trainer subclass): layer-major accumulation, the chunked loss off (subclasses
+    may read logits), TRL's metrics; same losses and parameters as SFTTrainer without megatrain."""
+    _, ref, ref_losses = _trl_run(tmp_path / "ref", [])
+    # 2 micro-batches: the device sums add in plain accumulation's order whatever the threads'
+    # timing (with 3, autograd may order the head's sums differently under load; see the top)
+    trainer, model, losses = _trl_run(tmp_path / "mt", [MegaTrainPlugin()])
     assert group_calls == [2, 2, 2] and not engine_of(model).chunked_loss_active
-    assert "mean_token_accuracy" in trainer.state.log_history[0]  # TRL's metrics from the logits
+    assert "mean_token_accuracy" in trainer.state.log_history[0]  # TRL's metrics
     assert_close_losses(ref_losses, losses, ATOL)
     assert_close_params(state_of(ref), state_of(model), ATOL_PARAMS)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_trl_fused_lm_head_runs_in_the_head_unit(tmp_path, monkeypatch, accumulation):
+    """trl >= 1 computes SFTTrainer's loss with a *fused LM head* that reads ``lm_head.weight``
+    itself: the host master, which the background update may still be writing (seen as a rare
+    flake under load; an update slowed down here makes it certain). megatrain serves it in the head
+    unit instead, on the weights fetched after their update: bitwise SFTTrainer's losses and
+    parameters, with the update slowed."""
+    utils = pytest.importorskip("trl.trainer.utils")
+    if not hasattr(utils, "add_fused_lm_head"):
+        pytest.skip("this trl has no fused LM head")
+    from megatrain_hf import HostAdamW
+    from megatrain_hf.integrations import trl as megatrain_trl
+
+    _, ref, ref_losses = _trl_run(tmp_path / "ref", [], accumulation)
+    run_job = HostAdamW._run_job
+
+    def slow_update(self, job, on_device=False):
+        time.sleep(0.05)  # the next forward must wait for it; a read that does not sees old weights
+        return run_job(self, job, on_device)
+
+    served = []
+    forward = megatrain_trl.FusedLogProbs.forward
+    monkeypatch.setattr(HostAdamW, "_run_job", slow_update)
+    monkeypatch.setattr(megatrain_trl.FusedLogProbs, "forward", lambda self, *a: served.append(1) or forward(self, *a))
+    trainer, model, losses = _trl_run(tmp_path / "mt", [MegaTrainPlugin()], accumulation)
+    assert len(served) == 3 * accumulation  # every micro-batch's head ran in the engine's head unit
+    assert "mean_token_accuracy" in trainer.state.log_history[0] and "entropy" in trainer.state.log_history[0]
+    assert losses == ref_losses
+    got = state_of(model)
+    for name, value in state_of(ref).items():
+        assert torch.equal(value, got[name]), name

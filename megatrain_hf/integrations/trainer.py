@@ -233,6 +233,19 @@ class MegaTrainPlugin(TrainerCallback):
                 )
             return original_get_train_dataloader()
 
+        def adopting(name: str) -> None:
+            # TRL's SFTTrainer adds its fused LM head after Trainer.__init__ (so after the plugin
+            # attached), and accelerate wraps the forward when training starts: take it over in between
+            original = getattr(trainer, name)
+
+            def method(self, *args, **kwargs):
+                plugin._adopt_trl_fused_head()
+                return original(*args, **kwargs)
+
+            setattr(trainer, name, types.MethodType(method, trainer))
+
+        for name in ("train", "evaluate", "predict"):
+            adopting(name)
         trainer.get_train_dataloader = types.MethodType(get_train_dataloader, trainer)
         trainer.get_batch_samples = types.MethodType(get_batch_samples, trainer)
         trainer.training_step = types.MethodType(training_step, trainer)
@@ -422,6 +435,15 @@ class MegaTrainPlugin(TrainerCallback):
         stats.reset()
         self._last_log = (now, 0)
         return out
+
+    def _adopt_trl_fused_head(self) -> None:
+        """Serve TRL's fused LM head (if the model has one) through the engine's head unit."""
+        from .trl import adopt_fused_lm_head
+
+        model = self.engine.model
+        for candidate in (model, getattr(model, "get_base_model", lambda: None)()):
+            if candidate is not None and adopt_fused_lm_head(self.engine, candidate):
+                return
 
     # ------------------------------------------------------------------ callback events
     def on_step_end(self, args, state, control, **kwargs):

@@ -1,0 +1,162 @@
+"""TRL's fused LM head, served by the engine's streamed head unit.
+
+TRL's ``SFTTrainer`` (trl >= 1) replaces the model's ``forward`` with a *fused LM head*
+(``trl.trainer.utils.add_fused_lm_head``): a call with ``fused_lm_head=True`` runs the backbone,
+then projects the hidden states through ``lm_head.weight`` in tiles and returns per-token
+log-probabilities (and metrics such as the entropy) instead of logits. It reads
+``lm_head.weight`` itself, which under megatrain is the fp32 master in host RAM: the head would
+run on the host, reading masters that the background AdamW update may be writing (a race), and
+its hidden states would be copied to the host.
+
+:func:`adopt_fused_lm_head` replaces TRL's forward with one that keeps TRL's arithmetic (its own
+``_ChunkedLogProbFunction``, the options it was patched with) but runs it inside the head unit's
+streamed call, on the weights the engine fetched for that unit (after its update), with the
+weight gradient going to the host accumulators like any unit's. Calls without
+``fused_lm_head=True`` go to TRL's forward as before (which calls the model's own forward).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# What TRL's ``_fused_forward`` closes over (trl 1.x); another set means another implementation.
+_CLOSURE = ("temperature", "cast_lm_head_to_fp32", "outputs", "final_logit_softcapping", "logit_scale",
+            "backbone_attr", "original_forward")
+_MODULE_NAMES = ("_ChunkedLogProbFunction", "_CHUNKED_LOGPROB_CHUNK_SIZE", "_use_triton", "FusedCausalLMOutput")
+
+
+@dataclass
+class FusedLogProbs:
+    """Kernel of the head unit's call: TRL's chunked log-probabilities on the fetched weights.
+
+    ``forward`` returns the per-token log-probabilities (the output with a gradient) and keeps the
+    other per-token fields TRL computed (entropy, top-1 flags, ...) in ``extras``; ``backward``
+    recomputes through TRL's function for the gradients of the hidden states and the weights.
+    """
+
+    function: Any  # TRL's _ChunkedLogProbFunction
+    labels: torch.Tensor
+    temperature: float
+    chunk_size: int
+    softcap: float | None
+    logit_scale: float
+    outputs: tuple
+    extras: tuple = field(default=())
+
+    def _apply(self, hidden: torch.Tensor, weights: dict[str, torch.Tensor]) -> tuple:
+        return self.function.apply(hidden, weights["weight"], weights.get("bias"), self.labels.to(hidden.device),
+                                   self.temperature, self.chunk_size, self.softcap, self.logit_scale, self.outputs)
+
+    @staticmethod
+    def _fp32(tensors: dict[str, torch.Tensor], grad: bool) -> dict[str, torch.Tensor]:
+        # Under plain TRL the function gets the fp32 master: it rounds the weight to the compute dtype
+        # itself (the values megatrain streamed) and returns the weight gradient in the weight's dtype.
+        # fp32 copies of the streamed weights (exact) give the same values and an unrounded gradient.
+        return {k: v.detach().float().requires_grad_(grad) for k, v in tensors.items() if v is not None}
+
+    def forward(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        log_probs, *extras = self._apply(x, self._fp32(tensors, grad=False))
+        self.extras = tuple(None if t is None else t.detach() for t in extras)
+        return log_probs
+
+    def backward(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], leaves: list[str],
+                 grad_out: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        h = x.detach().requires_grad_(x.requires_grad)
+        weights = self._fp32(tensors, grad=True)
+        with torch.enable_grad():
+            log_probs = self._apply(h, weights)[0]
+            inputs = ([h] if h.requires_grad else []) + [weights[name] for name in leaves]
+            grads = list(torch.autograd.grad(log_probs, inputs, grad_out, allow_unused=True))
+        grad_h = grads.pop(0) if h.requires_grad else None
+        return grad_h, {name: g for name, g in zip(leaves, grads) if g is not None}
+
+
+def _trl_fused_forward(model: torch.nn.Module):
+    """TRL's fused forward on ``model`` (its function and module), or None. It may sit under
+    wrappers made with ``functools.wraps`` (megatrain's own chunked-loss forward when megatrain
+    attached after TRL patched), which keep it as ``__wrapped__``."""
+    forward = model.__dict__.get("forward")
+    while forward is not None:
+        func = getattr(forward, "__func__", forward)
+        code = getattr(func, "__code__", None)
+        # functools.wraps gave it the model class's name and module: its code and globals tell
+        module_name = getattr(func, "__globals__", {}).get("__name__", "")
+        if code is not None and code.co_name == "_fused_forward" and module_name.startswith("trl."):
+            return func, sys.modules.get(module_name)
+        forward = getattr(forward, "__wrapped__", None)
+    return None
+
+
+def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
+    """If TRL patched ``model`` with its fused LM head, serve it through ``engine``; returns whether it did."""
+    found = _trl_fused_forward(model)
+    if found is None:
+        return False
+    func, module = found
+    closure = dict(zip(func.__code__.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
+    missing = [n for n in _CLOSURE if n not in closure] + [n for n in _MODULE_NAMES if not hasattr(module, n)]
+    if missing:
+        raise RuntimeError(
+            f"megatrain: TRL's fused LM head ({func.__module__}._fused_forward) is not the form this megatrain "
+            f"version knows (missing {missing}); it would read the lm_head weight from host RAM. Fix: use a trl "
+            "version with the form of trl 1.16, or open an issue with your trl version."
+        )
+    if closure["cast_lm_head_to_fp32"]:
+        raise ValueError(
+            "megatrain: TRL's fused LM head was added with cast_lm_head_to_fp32=True; megatrain computes the head "
+            "with the weights in the compute dtype. Fix: add the fused head without that option."
+        )
+    previous = model.__dict__["forward"]  # TRL's forward, or a wrapper around it
+    head = len(engine.units) - 1
+    backbone = closure["backbone_attr"]
+
+    def forward(*args, fused_lm_head: bool = False, labels=None, shift_labels=None, num_items_in_batch=None,
+                **kwargs):
+        if not fused_lm_head:
+            return previous(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
+                            **kwargs)
+        if kwargs.get("output_router_logits"):
+            raise ValueError("megatrain: TRL's fused LM head with router logits (mixture of experts) is not supported")
+        kwargs["use_cache"] = False
+        outputs = getattr(model, backbone)(*args, **kwargs)
+        if shift_labels is None:
+            hidden, labels = outputs.last_hidden_state[:, :-1], labels[:, 1:]
+        else:
+            hidden, labels = outputs.last_hidden_state, shift_labels
+        labels = labels.to(hidden.device)
+        mask = labels != -100
+        compact = module._use_triton(hidden.device)  # as TRL decides: only the labelled positions on GPUs
+        kernel = FusedLogProbs(
+            function=module._ChunkedLogProbFunction,
+            labels=labels[mask] if compact else labels.clamp(min=0).reshape(-1),
+            temperature=closure["temperature"],
+            chunk_size=module._CHUNKED_LOGPROB_CHUNK_SIZE,
+            softcap=closure["final_logit_softcapping"],
+            logit_scale=closure["logit_scale"],
+            outputs=closure["outputs"],
+        )
+        flat = hidden[mask] if compact else hidden.reshape(-1, hidden.size(-1))
+        log_probs = engine.head_loss(flat, kernel)
+        per_token = [log_probs, *kernel.extras]
+        if compact:
+            per_token = [None if t is None else t.new_zeros(mask.shape).masked_scatter(mask, t) for t in per_token]
+        else:
+            per_token = [None if t is None else t.view(mask.shape).masked_fill(~mask, 0) for t in per_token]
+        log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1 = per_token
+        denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return module.FusedCausalLMOutput(
+            loss=-log_probs.sum() / denominator, log_probs=log_probs, entropy=entropy,
+            log_sum_sq_probs=log_sum_sq_probs, mean_logits=mean_logits, is_top1=is_top1, label_mask=mask,
+            aux_loss=None,
+        )
+
+    engine._set_instance_attr(model, "forward", forward)
+    logger.info("megatrain: TRL's fused LM head runs in the streamed head unit (%s)", engine.units[head].name)
+    return True
