@@ -346,6 +346,8 @@ class Engine:
         obj.__dict__[name] = value  # instance attribute: the class stays untouched
 
         def undo():
+            if obj.__dict__.get(name) is not value:
+                return  # replaced since (e.g. TRL patched the forward on top): leave the newer one
             if had:
                 obj.__dict__[name] = old
             else:

@@ -17,6 +17,7 @@ weight gradient going to the host accumulators like any unit's. Calls without
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 from dataclasses import dataclass, field
@@ -26,9 +27,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# What TRL's ``_fused_forward`` closes over (trl 1.x); another set means another implementation.
-_CLOSURE = ("temperature", "cast_lm_head_to_fp32", "outputs", "final_logit_softcapping", "logit_scale",
-            "backbone_attr", "original_forward")
+# What TRL's ``_fused_forward`` closes over (trl 1.16); another set means another implementation,
+# whose options this module would not apply.
+_CLOSURE = frozenset({"temperature", "cast_lm_head_to_fp32", "outputs", "final_logit_softcapping", "logit_scale",
+                      "backbone_attr", "original_forward", "text_config"})
 _MODULE_NAMES = ("_ChunkedLogProbFunction", "_CHUNKED_LOGPROB_CHUNK_SIZE", "_use_triton", "FusedCausalLMOutput")
 
 
@@ -36,9 +38,11 @@ _MODULE_NAMES = ("_ChunkedLogProbFunction", "_CHUNKED_LOGPROB_CHUNK_SIZE", "_use
 class FusedLogProbs:
     """Kernel of the head unit's call: TRL's chunked log-probabilities on the fetched weights.
 
-    ``forward`` returns the per-token log-probabilities (the output with a gradient) and keeps the
-    other per-token fields TRL computed (entropy, top-1 flags, ...) in ``extras``; ``backward``
-    recomputes through TRL's function for the gradients of the hidden states and the weights.
+    ``forward`` returns the per-token log-probabilities (the unit call's output) and keeps the
+    other per-token fields TRL computed in ``extras``; the entropy, which a loss may use (GRPO's
+    entropy term), reaches autograd through :class:`_EntropyBridge`, which hands its gradient to
+    ``grad_entropy`` before the unit's backward runs. ``backward`` recomputes through TRL's
+    function for the gradients of the hidden states and of the trainable weights.
     """
 
     function: Any  # TRL's _ChunkedLogProbFunction
@@ -49,47 +53,76 @@ class FusedLogProbs:
     logit_scale: float
     outputs: tuple
     extras: tuple = field(default=())
+    grad_entropy: torch.Tensor | None = None
 
     def _apply(self, hidden: torch.Tensor, weights: dict[str, torch.Tensor]) -> tuple:
         return self.function.apply(hidden, weights["weight"], weights.get("bias"), self.labels.to(hidden.device),
                                    self.temperature, self.chunk_size, self.softcap, self.logit_scale, self.outputs)
 
-    @staticmethod
-    def _fp32(tensors: dict[str, torch.Tensor], grad: bool) -> dict[str, torch.Tensor]:
-        # Under plain TRL the function gets the fp32 master: it rounds the weight to the compute dtype
-        # itself (the values megatrain streamed) and returns the weight gradient in the weight's dtype.
-        # fp32 copies of the streamed weights (exact) give the same values and an unrounded gradient.
-        return {k: v.detach().float().requires_grad_(grad) for k, v in tensors.items() if v is not None}
-
     def forward(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        log_probs, *extras = self._apply(x, self._fp32(tensors, grad=False))
+        # TRL rounds each tile of the weight to the compute dtype: the streamed weight gives its bits
+        log_probs, *extras = self._apply(x, tensors)
         self.extras = tuple(None if t is None else t.detach() for t in extras)
         return log_probs
 
     def backward(self, x: torch.Tensor, tensors: dict[str, torch.Tensor], leaves: list[str],
                  grad_out: torch.Tensor) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         h = x.detach().requires_grad_(x.requires_grad)
-        weights = self._fp32(tensors, grad=True)
+        # TRL returns a weight's gradient in the weight's dtype: fp32 under plain SFTTrainer (the
+        # master). An fp32 copy of a trainable streamed weight (exact) keeps it unrounded.
+        weights = {k: v.detach().float().requires_grad_() if k in leaves else v for k, v in tensors.items()}
         with torch.enable_grad():
-            log_probs = self._apply(h, weights)[0]
+            log_probs, entropy = self._apply(h, weights)[:2]
             inputs = ([h] if h.requires_grad else []) + [weights[name] for name in leaves]
-            grads = list(torch.autograd.grad(log_probs, inputs, grad_out, allow_unused=True))
+            outputs, seeds = [log_probs], [grad_out]
+            if self.grad_entropy is not None:
+                outputs.append(entropy)
+                seeds.append(self.grad_entropy)
+            grads = list(torch.autograd.grad(outputs, inputs, seeds, allow_unused=True))
+        self.grad_entropy = None
         grad_h = grads.pop(0) if h.requires_grad else None
         return grad_h, {name: g for name, g in zip(leaves, grads) if g is not None}
+
+
+class _EntropyBridge(torch.autograd.Function):
+    """(log-probs, entropy) for TRL's output: the entropy's gradient goes to the kernel, and the
+    log-probs' on to the head unit's call, whose backward runs after this node's."""
+
+    @staticmethod
+    def forward(ctx, log_probs: torch.Tensor, entropy: torch.Tensor, kernel: FusedLogProbs):
+        ctx.set_materialize_grads(False)  # as TRL's function: an unused entropy costs nothing
+        ctx.kernel = kernel
+        return log_probs.clone(), entropy.clone()
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        ctx.kernel.grad_entropy = grad_entropy
+        if grad_log_probs is None and grad_entropy is not None:
+            grad_log_probs = torch.zeros_like(grad_entropy)  # the unit's backward must still run
+        return grad_log_probs, None, None
 
 
 def _trl_fused_forward(model: torch.nn.Module):
     """TRL's fused forward on ``model`` (its function and module), or None. It may sit under
     wrappers made with ``functools.wraps`` (megatrain's own chunked-loss forward when megatrain
-    attached after TRL patched), which keep it as ``__wrapped__``."""
+    attached after TRL patched), which keep it as ``__wrapped__``. A forward of another form that
+    takes ``fused_lm_head`` is refused: it would read the head's weight from host RAM."""
     forward = model.__dict__.get("forward")
     while forward is not None:
+        if getattr(forward, "_megatrain_fused_lm_head", False):
+            return None  # adopted already
         func = getattr(forward, "__func__", forward)
         code = getattr(func, "__code__", None)
         # functools.wraps gave it the model class's name and module: its code and globals tell
         module_name = getattr(func, "__globals__", {}).get("__name__", "")
-        if code is not None and code.co_name == "_fused_forward" and module_name.startswith("trl."):
-            return func, sys.modules.get(module_name)
+        if code is not None and "fused_lm_head" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
+            if code.co_name == "_fused_forward" and module_name.startswith("trl."):
+                return func, sys.modules.get(module_name)
+            raise RuntimeError(
+                f"megatrain: the model's forward ({module_name}.{code.co_name}) takes fused_lm_head but is not "
+                "TRL's fused LM head as this megatrain version knows it (trl 1.16); it would read lm_head.weight "
+                "from host RAM. Fix: use a trl version with that form, or open an issue with your trl version."
+            )
         forward = getattr(forward, "__wrapped__", None)
     return None
 
@@ -101,17 +134,24 @@ def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
         return False
     func, module = found
     closure = dict(zip(func.__code__.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
-    missing = [n for n in _CLOSURE if n not in closure] + [n for n in _MODULE_NAMES if not hasattr(module, n)]
-    if missing:
+    differ = sorted(set(closure) ^ _CLOSURE) + [n for n in _MODULE_NAMES if not hasattr(module, n)]
+    if differ:
         raise RuntimeError(
-            f"megatrain: TRL's fused LM head ({func.__module__}._fused_forward) is not the form this megatrain "
-            f"version knows (missing {missing}); it would read the lm_head weight from host RAM. Fix: use a trl "
+            f"megatrain: TRL's fused LM head ({module.__name__}._fused_forward) is not the form this megatrain "
+            f"version knows (differs in {differ}); it would read lm_head.weight from host RAM. Fix: use a trl "
             "version with the form of trl 1.16, or open an issue with your trl version."
         )
     if closure["cast_lm_head_to_fp32"]:
         raise ValueError(
-            "megatrain: TRL's fused LM head was added with cast_lm_head_to_fp32=True; megatrain computes the head "
-            "with the weights in the compute dtype. Fix: add the fused head without that option."
+            "megatrain: TRL's fused LM head runs in fp32 here (cast_lm_head_to_fp32=True, e.g. "
+            "GRPOConfig(cast_lm_head_to_fp32=True)); megatrain computes the head with the weights in the compute "
+            "dtype. Fix: set cast_lm_head_to_fp32=False."
+        )
+    if type(engine.units[-1].module) is not torch.nn.Linear:
+        raise ValueError(
+            f"megatrain: TRL's fused LM head with a wrapped lm_head ({type(engine.units[-1].module).__name__}, e.g. "
+            "PEFT's modules_to_save=['lm_head']) is not supported: TRL reads the wrapper's weight directly. Fix: "
+            "leave lm_head out of modules_to_save / target_modules, or train it with full fine-tuning."
         )
     previous = model.__dict__["forward"]  # TRL's forward, or a wrapper around it
     head = len(engine.units) - 1
@@ -144,7 +184,10 @@ def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
         )
         flat = hidden[mask] if compact else hidden.reshape(-1, hidden.size(-1))
         log_probs = engine.head_loss(flat, kernel)
-        per_token = [log_probs, *kernel.extras]
+        entropy, *rest = kernel.extras
+        if entropy is not None:
+            log_probs, entropy = _EntropyBridge.apply(log_probs, entropy, kernel)
+        per_token = [log_probs, entropy, *rest]
         if compact:
             per_token = [None if t is None else t.new_zeros(mask.shape).masked_scatter(mask, t) for t in per_token]
         else:
@@ -157,6 +200,10 @@ def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
             aux_loss=None,
         )
 
+    # generate() reads the forward's signature (logits_to_keep, what to prepare); not functools.wraps:
+    # its __wrapped__ would let the next train() find TRL's forward under this one and adopt it again
+    forward.__signature__ = inspect.signature(previous)
+    forward._megatrain_fused_lm_head = True
     engine._set_instance_attr(model, "forward", forward)
     logger.info("megatrain: TRL's fused LM head runs in the streamed head unit (%s)", engine.units[head].name)
     return True
