@@ -27,11 +27,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# What TRL's ``_fused_forward`` closes over (trl 1.16); another set means another implementation,
+# What TRL's ``_fused_forward`` closes over (trl 1.15 and 1.16); another set means another implementation,
 # whose options this module would not apply.
 _CLOSURE = frozenset({"temperature", "cast_lm_head_to_fp32", "outputs", "final_logit_softcapping", "logit_scale",
                       "backbone_attr", "original_forward", "text_config"})
-_MODULE_NAMES = ("_ChunkedLogProbFunction", "_CHUNKED_LOGPROB_CHUNK_SIZE", "_use_triton", "FusedCausalLMOutput")
+_MODULE_NAMES = ("_ChunkedLogProbFunction", "_CHUNKED_LOGPROB_CHUNK_SIZE", "FusedCausalLMOutput")
 
 
 @dataclass
@@ -120,7 +120,7 @@ def _trl_fused_forward(model: torch.nn.Module):
                 return func, sys.modules.get(module_name)
             raise RuntimeError(
                 f"megatrain: the model's forward ({module_name}.{code.co_name}) takes fused_lm_head but is not "
-                "TRL's fused LM head as this megatrain version knows it (trl 1.16); it would read lm_head.weight "
+                "TRL's fused LM head as this megatrain version knows it (trl 1.15-1.16); it would read lm_head.weight "
                 "from host RAM. Fix: use a trl version with that form, or open an issue with your trl version."
             )
         forward = getattr(forward, "__wrapped__", None)
@@ -139,7 +139,7 @@ def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
         raise RuntimeError(
             f"megatrain: TRL's fused LM head ({module.__name__}._fused_forward) is not the form this megatrain "
             f"version knows (differs in {differ}); it would read lm_head.weight from host RAM. Fix: use a trl "
-            "version with the form of trl 1.16, or open an issue with your trl version."
+            "version with the form of trl 1.15-1.16, or open an issue with your trl version."
         )
     if closure["cast_lm_head_to_fp32"]:
         raise ValueError(
@@ -172,7 +172,9 @@ def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
             hidden, labels = outputs.last_hidden_state, shift_labels
         labels = labels.to(hidden.device)
         mask = labels != -100
-        compact = module._use_triton(hidden.device)  # as TRL decides: only the labelled positions on GPUs
+        # as TRL decides: trl 1.16 scores only the labelled positions where Triton runs, 1.15 always
+        use_triton = getattr(module, "_use_triton", None)
+        compact = use_triton(hidden.device) if use_triton is not None else True
         kernel = FusedLogProbs(
             function=module._ChunkedLogProbFunction,
             labels=labels[mask] if compact else labels.clamp(min=0).reshape(-1),
