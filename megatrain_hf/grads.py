@@ -41,6 +41,7 @@ gradients alive until its copies end; on the H200, a 7B layer's round trip (accu
 down) takes about as long as its backward, and without a bound the queue grew to 20 GiB of GPU
 memory by the end of backward (a 24 GiB budget then fit one micro-batch where it fit two)."""
 
+
 class GradSink:
     def __init__(self, store: HostStore, device: torch.device, stats, host_threads: int = 1) -> None:
         self.host_threads = host_threads

@@ -213,8 +213,7 @@ class HostAdamW(torch.optim.Optimizer):
             self._skip_next = False
             self.skipped_steps += 1
             return loss
-        if self.asynchronous and (not self._worker.is_alive() or (
-                self._device_worker is not None and not self._device_worker.is_alive())):
+        if self.asynchronous and not self._workers_alive():
             raise RuntimeError(
                 "HostAdamW worker thread is not running (the optimizer was closed, or the thread ended); "
                 "build a new optimizer or restart from the last checkpoint"
@@ -297,16 +296,9 @@ class HostAdamW(torch.optim.Optimizer):
                 return
             for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, _ in work:
                 torch._foreach_add_(steps, 1)
-                divide_by = None
-                if grad_scale is not None:
-                    how, value = grad_scale
-                    if how == "mul":
-                        torch._foreach_mul_(grads, value)
-                    else:
-                        divide_by = value
                 torch._fused_adamw_(
                     params, grads, exp_avgs, exp_avg_sqs, [], steps,
-                    amsgrad=False, grad_scale=divide_by, found_inf=None, **hyper,
+                    amsgrad=False, grad_scale=_apply_clip(grads, grad_scale), found_inf=None, **hyper,
                 )
             self.store.mark_dirty(u)
             self.store.stage(u)  # the compute-dtype copy, while the masters are warm
@@ -403,13 +395,7 @@ class HostAdamW(torch.optim.Optimizer):
         def run(batch, hyper, grad_scale):
             steps, hosts = [b[0] for b in batch], [[b[i] for b in batch] for i in range(1, 5)]
             dp, dg, dm, dv = (up(h) for h in hosts)
-            divide_by = None
-            if grad_scale is not None:
-                how, value = grad_scale
-                if how == "mul":
-                    torch._foreach_mul_(dg, value.to(device))
-                else:
-                    divide_by = value.to(device)
+            divide_by = _apply_clip(dg, grad_scale)
             torch._fused_adamw_(dp, dg, dm, dv, [], up(steps), amsgrad=False, grad_scale=divide_by, found_inf=None,
                                 **hyper)
             for host, dev in zip([*hosts[0], *hosts[2], *hosts[3]], [*dp, *dm, *dv]):
@@ -448,14 +434,16 @@ class HostAdamW(torch.optim.Optimizer):
             if jobs is not None:
                 jobs.put(None)
 
+    def _workers_alive(self) -> bool:
+        return self._worker.is_alive() and (self._device_worker is None or self._device_worker.is_alive())
+
     def synchronize(self) -> None:
         """Wait for the background update of the last ``step()``; re-raise its failure."""
         if self.asynchronous:
             with self._cond:
                 while self._pending:
                     self._cond.wait(timeout=1.0)
-                    if not self._worker.is_alive() or (
-                            self._device_worker is not None and not self._device_worker.is_alive()):
+                    if not self._workers_alive():
                         raise RuntimeError("HostAdamW worker thread died")
         self.store.raise_error()
 
@@ -479,6 +467,17 @@ class HostAdamW(torch.optim.Optimizer):
             self._device_worker.join(timeout=60)
 
 
+def _apply_clip(grads: list[torch.Tensor], grad_scale) -> torch.Tensor | None:
+    """The clip coefficient of a step on ``grads``: ``("mul", c)`` multiplies them in place (exact
+    clipping, as ``clip_grad_norm_``); ``("div", d)`` is returned for the fused kernel to divide by."""
+    if grad_scale is None:
+        return None
+    how, value = grad_scale
+    value = value.to(grads[0].device) if grads else value
+    if how == "mul":
+        torch._foreach_mul_(grads, value)
+        return None
+    return value
 
 
 _DRAIN = object()  # "take the step's jobs from your end of the deque"

@@ -56,7 +56,7 @@ class FusedLogProbs:
     grad_entropy: torch.Tensor | None = None
 
     def _apply(self, hidden: torch.Tensor, weights: dict[str, torch.Tensor]) -> tuple:
-        return self.function.apply(hidden, weights["weight"], weights.get("bias"), self.labels.to(hidden.device),
+        return self.function.apply(hidden, weights["weight"], weights.get("bias"), self.labels,
                                    self.temperature, self.chunk_size, self.softcap, self.logit_scale, self.outputs)
 
     def forward(self, x: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -154,8 +154,9 @@ def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
             "leave lm_head out of modules_to_save / target_modules, or train it with full fine-tuning."
         )
     previous = model.__dict__["forward"]  # TRL's forward, or a wrapper around it
-    head = len(engine.units) - 1
     backbone = closure["backbone_attr"]
+    # as TRL decides: trl 1.16 scores only the labelled positions where Triton runs, 1.15 always
+    use_triton = getattr(module, "_use_triton", None)
 
     def forward(*args, fused_lm_head: bool = False, labels=None, shift_labels=None, num_items_in_batch=None,
                 **kwargs):
@@ -172,8 +173,6 @@ def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
             hidden, labels = outputs.last_hidden_state, shift_labels
         labels = labels.to(hidden.device)
         mask = labels != -100
-        # as TRL decides: trl 1.16 scores only the labelled positions where Triton runs, 1.15 always
-        use_triton = getattr(module, "_use_triton", None)
         compact = use_triton(hidden.device) if use_triton is not None else True
         kernel = FusedLogProbs(
             function=module._ChunkedLogProbFunction,
@@ -207,5 +206,5 @@ def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
     forward.__signature__ = inspect.signature(previous)
     forward._megatrain_fused_lm_head = True
     engine._set_instance_attr(model, "forward", forward)
-    logger.info("megatrain: TRL's fused LM head runs in the streamed head unit (%s)", engine.units[head].name)
+    logger.info("megatrain: TRL's fused LM head runs in the streamed head unit (%s)", engine.units[-1].name)
     return True

@@ -586,6 +586,7 @@ def largest_model(
     if compute_dtype not in _COMPUTE_BYTES:
         raise ValueError(f"compute_dtype={compute_dtype!r}; allowed: {sorted(_COMPUTE_BYTES)}")
     budget = available_bytes - headroom_bytes
+
     def total(shape: ModelShape) -> int:
         return _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens)
 
