@@ -59,6 +59,10 @@ class GradSink:
             for e in unit_entries:
                 if e.kind == "trainable":
                     self._contributors[e.owner].add(u)
+        # device_update: units whose gradients also stay on the device after their send, so that
+        # the device's share of the update need not bring them back up (set by HostAdamW)
+        self.keep_on_device: frozenset[int] = frozenset()
+        self._kept: dict[int, tuple[tuple, dict[int, torch.Tensor]]] = {}  # unit -> (grad key, {offset: flat})
         self._error: BaseException | None = None
         self._pending = 0
         self._cond = threading.Condition()
@@ -151,6 +155,8 @@ class GradSink:
             for e, g in local:
                 self.store.accumulate_grad(e, g)
             self.norms[u] = self._unit_norms(u) if want_norm else None
+            if u in self.keep_on_device:  # the "device" is the CPU: a copy of the accumulated sums
+                self._keep(u, [(e, e.tensor.grad.detach().reshape(-1).clone()) for e, _ in local])
             return
         grad_host = self.store.buffers[u].grad_host
         fresh, added, sent = [], [], []
@@ -177,7 +183,7 @@ class GradSink:
         if timed:  # (wait() times its own flush)
             self.stats.grad_wait_s += time.perf_counter() - waited
         try:
-            start, done, norms_host = self._copy_down(fresh, added, grad_host, gpu_norms)
+            start, done, norms_host, sums = self._copy_down(fresh, added, grad_host, gpu_norms)
         except BaseException:
             # e.g. out of memory in a cast after some copies were queued: they read `merged`, which
             # must outlive them, and the accumulators they write must be final before anyone reads
@@ -189,6 +195,8 @@ class GradSink:
         for e, _ in fresh:
             e.tensor.grad = grad_host[e.offset : e.offset + e.numel].view(e.shape)
         key = self._grad_key(u)  # what the norms describe: a later change of .grad invalidates them
+        if u in self.keep_on_device:
+            self._keep(u, sums, key)
         with self._cond:
             self._pending += 1
         self.norms[u] = None
@@ -246,7 +254,7 @@ class GradSink:
                 norms_host.copy_(norms, non_blocking=True)
             done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
-        return start, done, norms_host
+        return start, done, norms_host, sums
 
     @staticmethod
     def _merge_foreign(local: list, pending: list) -> list:
@@ -345,5 +353,19 @@ class GradSink:
 
     def reset_norms(self) -> None:
         self.norms = [None] * len(self.norms)
+
+    # ------------------------------------------------------------------ device copies (device_update)
+    def _keep(self, u: int, sums: list[tuple[Entry, torch.Tensor]], key: tuple | None = None) -> None:
+        """Keep unit ``u``'s summed gradients (flat fp32, as sent down) on the device, valid while the
+        unit's ``.grad`` keeps ``key`` (a later send, an edit or a replaced ``.grad`` changes it)."""
+        held = self._kept.get(u, (None, {}))[1]  # a unit sent twice in a step: the later sums win
+        held.update({e.offset: t for e, t in sums})
+        self._kept[u] = (self._grad_key(u) if key is None else key, held)
+
+    def take_device_grads(self) -> dict[int, dict[int, torch.Tensor]]:
+        """The kept device gradients that still equal the host ``.grad`` (unit -> {offset: flat}), once:
+        the sink forgets them all. Call after backward's gradients landed (``wait()``)."""
+        kept, self._kept = self._kept, {}
+        return {u: held for u, (key, held) in kept.items() if key == self._grad_key(u)}
 
 

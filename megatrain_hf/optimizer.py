@@ -46,6 +46,7 @@ class HostAdamW(torch.optim.Optimizer):
         host_threads: int | None = None,
         kernel: str = "torch",
         device_update: bool = False,
+        grad_sink=None,
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -75,22 +76,30 @@ class HostAdamW(torch.optim.Optimizer):
         self._update_stats_lock = threading.Lock()
         self._update_s, self._updated_numel = 0.0, 0
         self._device_numel = 0  # ... of them updated on the compute device (device_update)
-        # device_update: a second worker updates units from the last one backwards on the store's
-        # compute device while the host worker goes forwards from the first, until they meet
+        self.kept_grad_units = 0  # device updates that read gradients the sink kept on the device
+        # device_update: a second worker updates the first units of a step on the store's compute
+        # device (the next forward needs them first) while the host worker updates the rest in order;
+        # each, out of its own units, takes the other's last ones. The split follows the two
+        # workers' measured rates (elements per second of each, last step).
         self.device_update = bool(device_update) and asynchronous
-        self._device_stream = None
+        self.device_share = DEVICE_SHARE_START  # fraction of a step's elements given to the device
+        self._rates: dict[str, list[float]] = {"host": [0, 0.0], "device": [0, 0.0]}  # elements, seconds
+        self._grad_sink = grad_sink if self.device_update else None  # keeps the device's units' gradients
+        self._device_stream = self._device_down = None
         if self.device_update and store.device.type == "cuda":
-            self._device_stream = torch.cuda.Stream(store.device)
+            self._device_stream = torch.cuda.Stream(store.device)  # state up, the update
+            self._device_down = torch.cuda.Stream(store.device)  # state down, beside the next piece going up
         self._device_worker = None
         if asynchronous:
             self._jobs: queue.Queue = queue.Queue()
             self._cond = threading.Condition()
             self._pending = 0
             self._worker = start_worker(self, self._jobs, "_serve_one", host_threads, "megatrain-adamw")
-            self._deque: collections.deque = collections.deque()  # a step's jobs: host from the front, device from the back
+            self._host_list: collections.deque = collections.deque()  # a step's jobs for the host worker
+            self._device_list: collections.deque = collections.deque()  # ... and for the device worker
             if self.device_update:
                 self._device_jobs: queue.Queue = queue.Queue()
-                self._device_worker = start_worker(self, self._device_jobs, "_drain_back", host_threads,
+                self._device_worker = start_worker(self, self._device_jobs, "_drain_device", host_threads,
                                                    "megatrain-adamw-device")  # (torch's thread count is per process)
 
     @classmethod
@@ -220,27 +229,49 @@ class HostAdamW(torch.optim.Optimizer):
             )
         if self.store.device.type == "cuda":
             torch.cuda.synchronize(self.store.device)  # no upload still reads a staging buffer
+        kept = self._grad_sink.take_device_grads() if self._grad_sink is not None else {}
         jobs = []  # snapshot everything first: a failure here leaves no unit marked busy
         for u, groups in self._plan.items():
             work = [self._snapshot(u, gi, entries, grad_scale) for gi, entries in groups.items()]
             work = [w for w in work if w is not None]
             if work:
-                jobs.append((u, work))
+                jobs.append((u, work, kept.pop(u, None)))
+        del kept  # gradients kept for units without an update now: freed
         worker = self._worker if self.asynchronous else None
-        for u, _ in jobs:
+        for u, *_ in jobs:
             self.store.begin_update(u, worker)
         if not self.asynchronous:
             for job in jobs:
                 self._run_job(job)
             self.store.raise_error()
             return loss
+        split = self._device_split(jobs) if self.device_update else 0
+        if self._grad_sink is not None:  # next step's device units (and two more): keep their gradients
+            self._grad_sink.keep_on_device = frozenset(u for u, *_ in jobs[: split + 2])
         with self._cond:
             self._pending += len(jobs)
-            self._deque.extend(jobs)
-        self._jobs.put(_DRAIN)  # the host worker takes jobs from the front (unit 0 first) ...
+            self._device_list.extend(jobs[:split])
+            self._host_list.extend(jobs[split:])
+        self._jobs.put(_DRAIN)  # the host worker: its units in order, then the device's from the last ...
         if self._device_worker is not None:
-            self._device_jobs.put(_DRAIN)  # ... the device worker from the back, until none is left
+            self._device_jobs.put(_DRAIN)  # ... the device worker: unit 0 first, then the host's from the last
         return loss
+
+    def _device_split(self, jobs: list) -> int:
+        """How many of the step's first jobs the device worker gets: ``device_share`` of the elements,
+        the share set from the rates the two workers reached in the last step."""
+        (host_n, host_s), (dev_n, dev_s) = self._rates["host"], self._rates["device"]
+        if host_n and dev_n and host_s > 0 and dev_s > 0:
+            host_rate, dev_rate = host_n / host_s, dev_n / dev_s
+            self.device_share = min(0.95, max(0.05, dev_rate / (host_rate + dev_rate)))
+        self._rates = {"host": [0, 0.0], "device": [0, 0.0]}
+        sizes = [sum(p.numel() for w in work for p in w[1]) for _, work, _ in jobs]
+        target, done = self.device_share * sum(sizes), 0
+        for k, size in enumerate(sizes):
+            if done + size / 2 > target:
+                return k
+            done += size
+        return len(jobs)
 
     def _snapshot(self, u: int, gi: int, entries: list[Entry], grad_scale) -> tuple | None:
         group = self.param_groups[gi]
@@ -284,35 +315,39 @@ class HostAdamW(torch.optim.Optimizer):
         return out
 
     def _run_job(self, job, on_device: bool = False) -> None:
-        u, work = job
+        u, work, kept = job
         error = None
         start = time.perf_counter()
         try:
-            if on_device:
-                self._run_on_device(u, work)
-                return
-            if self._native is not None:
-                self._run_native(u, work)
-                return
-            for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, _ in work:
-                torch._foreach_add_(steps, 1)
-                torch._fused_adamw_(
-                    params, grads, exp_avgs, exp_avg_sqs, [], steps,
-                    amsgrad=False, grad_scale=_apply_clip(grads, grad_scale), found_inf=None, **hyper,
-                )
-            self.store.mark_dirty(u)
-            self.store.stage(u)  # the compute-dtype copy, while the masters are warm
+            with torch.profiler.record_function(f"megatrain.update{'_device' if on_device else ''}[{u}]"):
+                if on_device:
+                    self._run_on_device(u, work, kept)
+                elif self._native is not None:
+                    self._run_native(u, work)
+                else:
+                    for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, _ in work:
+                        torch._foreach_add_(steps, 1)
+                        torch._fused_adamw_(
+                            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+                            amsgrad=False, grad_scale=_apply_clip(grads, grad_scale), found_inf=None, **hyper,
+                        )
+                    self.store.mark_dirty(u)
+                    self.store.stage(u)  # the compute-dtype copy, while the masters are warm
         except BaseException as exc:  # surfaced in the training thread by the next wait
             logger.exception("HostAdamW update of unit %d failed", u)
             error = exc
         finally:
             numel = sum(p.numel() for w in work for p in w[1])
+            elapsed = time.perf_counter() - start
             with self._update_stats_lock:
                 if on_device:  # runs beside the host's updates: its time is not the host's
                     self._device_numel += numel
                 else:
-                    self._update_s += time.perf_counter() - start
+                    self._update_s += elapsed
                     self._updated_numel += numel
+                rate = self._rates["device" if on_device else "host"]
+                rate[0] += numel
+                rate[1] += elapsed
             self.store.end_update(u, error)
 
     def _run_native(self, u: int, work: list) -> None:
@@ -357,75 +392,110 @@ class HostAdamW(torch.optim.Optimizer):
             self.store.stage(u)
 
     def _serve_one(self, token) -> None:
-        self._drain(front=True)
+        self._drain(on_device=False)
 
-    def _drain_back(self, token) -> None:
-        self._drain(front=False)
+    def _drain_device(self, token) -> None:
+        self._drain(on_device=True)
 
-    def _drain(self, front: bool) -> None:
-        """Take the step's jobs from one end of the deque until none is left (the host worker: the
-        front; with ``device_update``, the device worker: the back)."""
+    def _drain(self, on_device: bool) -> None:
+        """Run the step's jobs: this worker's own list in order, then the other worker's from its
+        last job backwards (the units the next forward needs last), until none is left."""
+        own, other = (self._device_list, self._host_list) if on_device else (self._host_list, self._device_list)
         while True:
             with self._cond:
-                if not self._deque:
+                if own:
+                    job = own.popleft()
+                elif other:
+                    job = other.pop()
+                else:
                     return
-                job = self._deque.popleft() if front else self._deque.pop()
             self.store.claim_update(job[0], threading.current_thread())
             try:
-                self._run_job(job, on_device=not front)
+                self._run_job(job, on_device=on_device)
             finally:
                 with self._cond:
                     self._pending -= 1
                     self._cond.notify_all()
 
-    def _run_on_device(self, u: int, work: list) -> None:
+    def _run_on_device(self, u: int, work: list, kept: dict[int, torch.Tensor] | None = None) -> None:
         """The update of unit ``u`` on the compute device, in pieces of at most ``DEVICE_UPDATE_CHUNK``
-        elements (AdamW is elementwise): masters, gradients and moments go up, torch's fused AdamW
+        elements (AdamW is elementwise): masters and moments go up (the gradients too, unless the
+        gradient sink kept them on the device: ``kept``, offset -> flat fp32 sum), torch's fused AdamW
         runs there (on CUDA its CUDA kernel: same formula, last-bit differences from the host
-        kernel), masters, moments and the compute-dtype copy come back down. The clip scale applies
-        to the uploaded gradients only (as with the native kernel, ``param.grad`` is left as it is)."""
+        kernel), masters, moments and the compute-dtype copy come back down on a second stream while
+        the next piece goes up. The clip scale applies to the device's gradients only (as with the
+        native kernel, ``param.grad`` is left as it is)."""
         device = self.store.device
         cuda = device.type == "cuda"
         staging_was_fresh = self.store.staging_fresh(u)
         staging = self.store.buffers[u].staging_host
+        up_stream, down_stream = self._device_stream, self._device_down
+        queued: collections.deque = collections.deque()  # pieces whose state is on its way down
 
         def up(tensors):
             return [t.to(device, non_blocking=True) if cuda else t.clone() for t in tensors]
 
         def run(batch, hyper, grad_scale):
-            steps, hosts = [b[0] for b in batch], [[b[i] for b in batch] for i in range(1, 5)]
-            dp, dg, dm, dv = (up(h) for h in hosts)
-            divide_by = _apply_clip(dg, grad_scale)
-            torch._fused_adamw_(dp, dg, dm, dv, [], up(steps), amsgrad=False, grad_scale=divide_by, found_inf=None,
-                                **hyper)
-            for host, dev in zip([*hosts[0], *hosts[2], *hosts[3]], [*dp, *dm, *dv]):
-                host.copy_(dev, non_blocking=True)
-            for (*_, stage), dev in zip(batch, dp):
-                if stage is not None:
-                    stage.copy_(dev.to(stage.dtype), non_blocking=True)
+            steps = [b[0] for b in batch]
+            hp, hg, hm, hv = ([b[i] for b in batch] for i in range(1, 5))
+            with torch.cuda.stream(up_stream) if cuda else contextlib.nullcontext():
+                dp, dm, dv = up(hp), up(hm), up(hv)
+                dg = [g if on_dev else up([g])[0] for g, on_dev in zip(hg, (b[5] for b in batch))]
+                divide_by = _apply_clip(dg, grad_scale)
+                torch._fused_adamw_(dp, dg, dm, dv, [], up(steps), amsgrad=False, grad_scale=divide_by,
+                                    found_inf=None, **hyper)
+                if not cuda:
+                    for host, dev in zip([*hp, *hm, *hv], [*dp, *dm, *dv]):
+                        host.copy_(dev)
+                    for b, dev in zip(batch, dp):
+                        if b[6] is not None:
+                            b[6].copy_(dev.to(b[6].dtype))
+                    return
+                for g, on_dev in zip(dg, (b[5] for b in batch)):
+                    if on_dev:  # allocated by the gradient sink's streams, read here
+                        g.record_stream(up_stream)
+                updated = torch.cuda.Event()
+                updated.record(up_stream)
+            down_stream.wait_event(updated)
+            with torch.cuda.stream(down_stream):
+                for host, dev in zip([*hp, *hm, *hv], [*dp, *dm, *dv]):
+                    host.copy_(dev, non_blocking=True)
+                    dev.record_stream(down_stream)  # allocated on the up stream, read here
+                for b, dev in zip(batch, dp):
+                    if b[6] is not None:
+                        b[6].copy_(dev.to(b[6].dtype), non_blocking=True)
+                landed = torch.cuda.Event()
+                landed.record(down_stream)
+            queued.append(landed)
+            while len(queued) > 2:  # at most three pieces' state on the device at once
+                queued.popleft().synchronize()
 
-        stream = torch.cuda.stream(self._device_stream) if cuda else contextlib.nullcontext()
         try:
-            with stream:
-                for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, entries in work:
-                    torch._foreach_add_(steps, 1)
-                    batch, size = [], 0
-                    for step, p, g, m, v, e in zip(steps, params, grads, exp_avgs, exp_avg_sqs, entries):
-                        flats = [t.detach().reshape(-1) for t in (p, g, m, v)]
-                        stage = (staging[e.offset : e.offset + e.numel]
-                                 if staging is not None and e.wire != torch.float32 else None)
-                        for lo in range(0, e.numel, DEVICE_UPDATE_CHUNK):
-                            hi = min(lo + DEVICE_UPDATE_CHUNK, e.numel)
-                            if batch and size + hi - lo > DEVICE_UPDATE_CHUNK:
-                                run(batch, hyper, grad_scale)
-                                batch, size = [], 0
-                            batch.append((step, *(f[lo:hi] for f in flats), stage[lo:hi] if stage is not None else None))
-                            size += hi - lo
-                    if batch:
-                        run(batch, hyper, grad_scale)
+            for steps, params, grads, exp_avgs, exp_avg_sqs, hyper, grad_scale, entries in work:
+                torch._foreach_add_(steps, 1)
+                batch, size = [], 0
+                for step, p, g, m, v, e in zip(steps, params, grads, exp_avgs, exp_avg_sqs, entries):
+                    on_dev = kept is not None and e.offset in kept
+                    flats = [t.detach().reshape(-1) for t in (p, kept[e.offset] if on_dev else g, m, v)]
+                    stage = (staging[e.offset : e.offset + e.numel]
+                             if staging is not None and e.wire != torch.float32 else None)
+                    for lo in range(0, e.numel, DEVICE_UPDATE_CHUNK):
+                        hi = min(lo + DEVICE_UPDATE_CHUNK, e.numel)
+                        if batch and size + hi - lo > DEVICE_UPDATE_CHUNK:
+                            run(batch, hyper, grad_scale)
+                            batch, size = [], 0
+                        batch.append((step, *(f[lo:hi] for f in flats), on_dev,
+                                      stage[lo:hi] if stage is not None else None))
+                        size += hi - lo
+                if batch:
+                    run(batch, hyper, grad_scale)
         finally:
             if cuda:  # the host flats hold the result (or nothing is still writing them) before the unit is ready
-                self._device_stream.synchronize()
+                up_stream.synchronize()
+                down_stream.synchronize()
+        if kept:
+            with self._update_stats_lock:
+                self.kept_grad_units += 1
         self._updated(u, staging_was_fresh)
 
     def __del__(self) -> None:
@@ -480,7 +550,9 @@ def _apply_clip(grads: list[torch.Tensor], grad_scale) -> torch.Tensor | None:
     return value
 
 
-_DRAIN = object()  # "take the step's jobs from your end of the deque"
+_DRAIN = object()  # "run the step's jobs"
+DEVICE_SHARE_START = 0.3
+"""device_update: the device's share of the elements in the first step (later: from measured rates)."""
 DEVICE_UPDATE_CHUNK = 1 << 25
 """device_update: elements per piece sent up (32 M: ~0.6 GB of GPU memory with their gradients,
 moments and bf16 copy), so a large unit (an untied lm_head) never needs all its state on the GPU."""

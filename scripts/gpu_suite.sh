@@ -45,7 +45,15 @@ for stage in $STAGES; do
       [ -d "out/$stage" ] && cp -r "out/$stage" "$R/$stage"  # earlier results, for --merge
       cfg="CONFIG_${stage}"  # megatrain options for this stage only, e.g. CONFIG_bench7b_cap='{"max_gpu_memory": "24GiB"}'
       MEGATRAIN_CONFIG=${!cfg:-${MEGATRAIN_CONFIG:-}} timeout $(left 540) python3 -m megatrain_hf.cli bench ${!var} --out "$R/$stage" > "$R/$stage.log" 2>&1
-      summary "$stage rc=$? $(tail -3 "$R/$stage.log" | cut -c1-600)";;
+      summary "$stage rc=$? $(tail -3 "$R/$stage.log" | cut -c1-600)"
+      # --profile: a text summary of each trace goes in the tarball, the trace itself (gzipped) beside it if small
+      for trace in "$R/$stage"/logs/*.trace.json; do
+        [ -f "$trace" ] || continue
+        name=$stage-$(basename "$trace" .json.trace.json)
+        python3 scripts/trace_summary.py "$trace" > "$R/$name-trace.txt" 2>&1
+        gzip -1 "$trace" && mv "$trace.gz" "/tmp/$name-trace.json.gz"
+        [ "$(stat -c %s "/tmp/$name-trace.json.gz")" -lt 15000000 ] && cp "/tmp/$name-trace.json.gz" "$OUT/"
+      done;;
     *) summary "unknown stage $stage";;
   esac
   summary "stage $stage took $(( $(date +%s) - start )) s"

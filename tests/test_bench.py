@@ -201,3 +201,27 @@ def test_depth_scaling_report_from_real_runs(tmp_path, bench, capsys):
     with pytest.raises(SystemExit) as info:
         scaling_main(["--out", str(tmp_path / "s2"), str(bad)])
     assert info.value.code == 2 and "no successful 'megatrain' result (failed: out of memory)" in capsys.readouterr().err
+
+
+def test_profiled_step_runs_after_the_measured_ones(tmp_path):
+    """--profile: two more steps, the second recorded into a Chrome trace with the host update's
+    ranges; the measured steps are the requested ones."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatrain_hf.bench import worker
+
+    out = tmp_path / "megatrain.json"
+    assert worker.main(["--system", "megatrain", "--json-out", str(out), "--model", "tiny", "--seq-len", "32",
+                        "--micro-batch", "2", "--grad-accum", "1", "--steps", "2", "--warmup-steps", "1",
+                        "--dtype", "fp32", "--device", "cpu", "--profile"]) == 0
+    result = json.loads(out.read_text())
+    assert result["status"] == "ok", result
+    assert result["profiled_step"] == 5 and result["measured_steps"] == 2
+    trace = json.loads(Path(f"{out}.trace.json").read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any(n.startswith("megatrain.update[") for n in names)
+    summary = subprocess.run([sys.executable, "scripts/trace_summary.py", f"{out}.trace.json"], capture_output=True,
+                             text=True, check=True, cwd=Path(__file__).parents[1])
+    assert "megatrain.update" in summary.stdout

@@ -1,11 +1,13 @@
-"""HostAdamW's device_update: a second worker updates units from the last one backwards on the
-compute device while the host worker goes forwards, until they meet. On the CPU the "device" is
-the CPU (the same fused kernel on copies), so the results are bitwise those of torch's AdamW."""
+"""HostAdamW's device_update: a second worker updates a step's first units on the compute device
+while the host worker updates the rest in order; each then takes the other's last units. On the
+CPU the "device" is the CPU (the same fused kernel on copies), so the results are bitwise those
+of torch's AdamW."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from helpers import assert_close_losses, state_of, tiny_model, train, training_args
 from megatrain_hf import HostAdamW, MegaTrainPlugin, attach, engine_of
@@ -19,9 +21,9 @@ def _groups(model):
 
 @pytest.mark.parametrize("chunk", [None, 1024], ids=["whole", "in-pieces"])
 def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatch, chunk):
-    """device_update: the host worker takes units from the front, a second worker from the back
-    (here the "device" is the CPU: the same fused kernel on copies), until they meet. Every unit is
-    updated once per step, bitwise like torch.optim.AdamW(fused=True), with its staging copy fresh."""
+    """device_update: the device worker takes the first units, the host worker the rest in order
+    (here the "device" is the CPU: the same fused kernel on copies). Every unit is updated once per
+    step, bitwise like torch.optim.AdamW(fused=True), with its staging copy fresh."""
     import threading
     import time
 
@@ -40,9 +42,9 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
     run_on_device, run_job = opt._run_on_device, opt._run_job
     both_started = threading.Barrier(2, timeout=20)  # each end takes its first unit before either goes on
 
-    def device(u, work):
+    def device(u, work, kept):
         on_device.append(u)
-        run_on_device(u, work)
+        run_on_device(u, work, kept)
 
     def host_or_device(job, on_device=False):
         if not on_device:
@@ -73,7 +75,8 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
         opt.synchronize()
         units = len(opt._plan)
         assert sorted(on_device + on_host) == sorted(opt._plan) and on_device and on_host, (on_host, on_device)
-        assert max(on_host) < min(on_device)  # the host from the front, the device from the back
+        assert on_device[0] == min(opt._plan)  # the device starts with unit 0, the host with one after it
+        assert on_host[0] > on_device[0] and sorted(on_host) == on_host  # the host: its units in order
         on_device.clear(), on_host.clear(), on_device_seen.clear()
         both_started.reset()
     assert units > 2
@@ -95,19 +98,53 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
 
 
 
-def test_trainer_with_device_update_equals_plain_trainer(tmp_path):
-    args = dict(gradient_accumulation_steps=2, max_grad_norm=0.05)  # clipping active
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_trainer_with_device_update_equals_plain_trainer(tmp_path, accumulation):
+    """The device's units read the gradients the sink kept on the device (from the second step on:
+    the first step's split decides which units keep them); results bitwise plain Trainer's."""
+    args = dict(gradient_accumulation_steps=accumulation, max_grad_norm=0.05)  # clipping active
     ref_model = tiny_model("llama")
     _, ref_losses = train(ref_model, training_args(tmp_path / "ref", **args))
     model = tiny_model("llama")
     trainer, losses = train(model, training_args(tmp_path / "mt", **args),
                             callbacks=[MegaTrainPlugin(device_update=True)])
-    assert trainer.optimizer.optimizer.device_update
+    optimizer = trainer.optimizer.optimizer
+    assert optimizer.device_update and optimizer.kept_grad_units > 0
     assert any("megatrain/update_device_frac" in h for h in trainer.state.log_history)
     assert_close_losses(ref_losses, losses, 0.0)
     ref, got = state_of(ref_model), state_of(model)
     assert all(torch.equal(ref[n], got[n]) for n in ref)
     engine_of(model).detach()
+
+
+class _HalveGradients(TrainerCallback):
+    """Edits every gradient in place between clipping and the optimizer step."""
+
+    def __init__(self):
+        self.model = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)  # a power of two: exact, whatever the order of the multiplies
+
+
+def test_device_update_reads_gradients_edited_after_backward(tmp_path):
+    """A gradient changed in place after backward (a callback) makes the kept device copy stale: the
+    device's units must read the edited host gradient instead (else the update would use twice it)."""
+    args = dict(max_grad_norm=1e9, max_steps=4)  # no clipping: the halving is the only scale
+    results = []
+    for name, plugin in (("ref", []), ("mt", [MegaTrainPlugin(device_update=True)])):
+        model, halve = tiny_model("llama"), _HalveGradients()
+        halve.model = model
+        trainer, losses = train(model, training_args(tmp_path / name, **args), callbacks=[*plugin, halve])
+        results.append((losses, state_of(model)))
+        if plugin:
+            assert trainer.optimizer.optimizer.kept_grad_units == 0  # every kept copy was found stale
+            engine_of(model).detach()
+    (ref_losses, ref), (losses, got) = results
+    assert_close_losses(ref_losses, losses, 0.0)
+    assert all(torch.equal(ref[n], got[n]) for n in ref)
 
 
 def test_synchronous_optimizer_closes():

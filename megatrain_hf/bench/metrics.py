@@ -114,6 +114,46 @@ class StepTimer(TrainerCallback):
             self._counters_seen[name] = value
 
 
+class StepProfiler(TrainerCallback):
+    """Records one optimizer step with ``torch.profiler`` (CPU, CUDA, all threads) into a Chrome trace.
+
+    For finding where a step's time goes, not for measuring it: the worker runs it after the
+    measured steps. Recording starts at the previous step's optimizer step, so that the background
+    update that the step's forward waits on is in the trace from its start, and ends once the
+    step's own update finished. The trace shows the compute, copy and gradient streams and
+    megatrain's ``megatrain.*`` ranges (unit updates on the host and device workers);
+    ``scripts/trace_summary.py`` condenses it.
+    """
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+        self._prof = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if state.global_step + 2 == self.step and self._prof is None:  # in the step before
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            try:  # the update's ranges run on worker threads
+                config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+            except (AttributeError, TypeError):  # a torch without it: the training thread only
+                config = None
+            self._prof = profile(activities=activities, experimental_config=config)
+            self._prof.__enter__()
+
+    def on_step_end(self, args, state, control, optimizer=None, **kwargs):
+        if self._prof is not None and state.global_step == self.step:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if hasattr(inner, "synchronize"):  # HostAdamW: its update of this step, to the end
+                inner.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            prof, self._prof = self._prof, None
+            prof.__exit__(None, None, None)
+            prof.export_chrome_trace(self.path)
+            logger.info("profiled step %d: %s", self.step, self.path)
+
+
 def _engine_stats(model) -> Any | None:
     if model is None:
         return None

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per system before its worker is killed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_output", help="directory for results.json, results.md, results.png")
+    p.add_argument("--profile", action="store_true",
+                   help="each system runs two more steps after the measured ones; the second is recorded by "
+                   "torch.profiler into OUT/logs/<system>.json.trace.json (for reading where time goes; not measured)")
     p.add_argument("--merge", action="store_true",
                    help="keep the other systems' results from an existing OUT/results.json of the same workload")
     return p
@@ -79,6 +82,8 @@ def worker_command(system: str, args: argparse.Namespace, shape: ModelShape, jso
         cmd += [f"--{name.replace('_', '-')}", str(getattr(shape, name))]
     for name in ("seq_len", "micro_batch", "grad_accum", "steps", "warmup_steps", "dtype", "device", "seed"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if getattr(args, "profile", False):
+        cmd.append("--profile")
     return cmd
 
 

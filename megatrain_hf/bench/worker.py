@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bf16", "fp32"), required=True)
     p.add_argument("--device", choices=("cuda", "cpu"), required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="run two more steps after the measured ones and record the second (from the first's "
+                   "optimizer step) with torch.profiler into <json-out>.trace.json (not part of any measurement)")
     return p.parse_args(argv)
 
 
@@ -120,7 +123,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import Trainer
 
-    from .metrics import PhaseMarks, ResourceSampler, StepTimer
+    from .metrics import PhaseMarks, ResourceSampler, StepProfiler, StepTimer
 
     check_available(args.system, args.device)
     shape = shape_from_args(args)
@@ -134,7 +137,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             targs = training_arguments(
                 args.system, output_dir=tmp, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-                max_steps=args.warmup_steps + args.steps, bf16=args.dtype == "bf16", use_cpu=not cuda, seed=args.seed,
+                max_steps=args.warmup_steps + args.steps + 2 * int(args.profile), bf16=args.dtype == "bf16", use_cpu=not cuda, seed=args.seed,
             )  # before the model: under ZeRO-3, from_config then builds it partitioned (zero.Init)
             # ZeRO-3 builds partitioned under zero.Init (its own device handling); others on the GPU
             init_device = "cuda" if cuda and args.system != "deepspeed" else "cpu"
@@ -149,9 +152,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             n_samples = (args.warmup_steps + args.steps) * args.grad_accum * args.micro_batch
             data = RandomTokens(n_samples, args.seq_len, shape.vocab, args.seed)
             timer, check = StepTimer(cuda_sync=cuda), SystemCheck(args.system)
+            callbacks = [timer, check, PhaseMarks(sampler), *extra_callbacks(args.system)]
+            if args.profile:  # a Chrome trace of one extra step, beside the JSON
+                callbacks.append(StepProfiler(args.warmup_steps + args.steps + 2, f"{args.json_out}.trace.json"))
             t1 = time.perf_counter()
-            trainer = Trainer(model=model, args=targs, train_dataset=data,
-                              callbacks=[timer, check, PhaseMarks(sampler), *extra_callbacks(args.system)])
+            trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
             check.trainer = trainer
             sampler.mark("trainer_built")  # megatrain: attached, host buffers allocated
             setup["trainer_init_s"] = time.perf_counter() - t1
@@ -167,6 +172,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     result["host_rss_by_phase"] = sampler.marks
     result["system_check"] = check.facts
     result["attn_implementation"] = attn
+    if args.profile:
+        result["profiled_step"] = args.warmup_steps + args.steps + 2
     return result
 
 
@@ -186,7 +193,8 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
 
     from .metrics import ru_maxrss_bytes, summarize_steps
 
-    summary = summarize_steps(timer.steps, args.warmup_steps)
+    last = args.warmup_steps + args.steps  # the two steps of a profile after it are not measured
+    summary = summarize_steps([s for s in timer.steps if s["step"] <= last], args.warmup_steps)
     tokens = args.micro_batch * args.seq_len * args.grad_accum
     flops = useful_flops_per_step(params, shape, args.seq_len, tokens)
     mean_s, median_s = summary["step_time_mean_s"], summary["step_time_median_s"]

@@ -131,6 +131,8 @@ class MegaTrainPlugin(TrainerCallback):
                     host_threads=plugin.engine.host_threads,
                     kernel=plugin.config.resolve_host_adamw_kernel(plugin.engine.device),
                     device_update=plugin.config.device_update,
+                    # the device's units keep their gradients on the GPU, unless a GPU budget has no room planned for them
+                    grad_sink=plugin.engine.grads if plugin.engine.gpu_budget is None else None,
                 )
                 logger.info("megatrain: AdamW runs as HostAdamW on the host flats (same math)")
             return self.optimizer

@@ -361,8 +361,9 @@ def test_unit_sent_twice_in_one_backward_gets_both_contributions():
 
 
 def test_bf16_parity_with_device_update(tmp_path):
-    """device_update=True: the GPU updates units from the last one backwards while the host goes
-    forwards; training matches plain Trainer within the bf16 tolerances, and both shared the work."""
+    """device_update=True: the GPU updates the first units (from the second step on with the
+    gradients the sink kept on the GPU) while the host updates the rest; training matches plain
+    Trainer within the bf16 tolerances, and both shared the work."""
     shape = {**SHAPE, "attention_dropout": 0.0}
     args = dict(bf16=True, gradient_accumulation_steps=2)
     ref = tiny_model("llama", **shape)
@@ -377,3 +378,52 @@ def test_bf16_parity_with_device_update(tmp_path):
     assert_close_updates(init, ref_state, state_of(model), BF16_UPDATE_RTOL)
     shares = [h["megatrain/update_device_frac"] for h in trainer.state.log_history if "megatrain/update_device_frac" in h]
     assert shares and max(shares) > 0, shares
+    assert trainer.optimizer.optimizer.kept_grad_units > 0
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_bf16_parity_trl_sft_trainer_fused_head(tmp_path, accumulation):
+    """TRL's SFTTrainer (trl >= 1 scores with its fused LM head): with megatrain the head runs as
+    the kernel of the engine's head unit on the GPU, on weights fetched after their update; losses
+    and updates match SFTTrainer alone within the bf16 tolerances."""
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from megatrain_hf.integrations import trl as megatrain_trl
+
+    data = _data()
+    dataset = datasets.Dataset.from_dict({"input_ids": [data[i]["input_ids"].tolist() for i in range(len(data))]})
+    vocab = Tokenizer(models.WordLevel({"[PAD]": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=vocab, pad_token="[PAD]", eos_token="[PAD]", unk_token="[UNK]")
+    shape = {**SHAPE, "attention_dropout": 0.0}
+
+    def run(out, callbacks):
+        model = tiny_model("llama", **shape)
+        init = state_of(model)
+        config = trl.SFTConfig(output_dir=str(out), max_steps=6, per_device_train_batch_size=4, bf16=True,
+                               gradient_accumulation_steps=accumulation, learning_rate=2e-3, report_to=[],
+                               logging_steps=1, disable_tqdm=True, save_strategy="no", seed=0, data_seed=0,
+                               dataset_kwargs={"skip_prepare_dataset": True})
+        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer,
+                                 callbacks=callbacks)
+        trainer.train()
+        return init, trainer, model, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    init, _, ref, ref_losses = run(tmp_path / "ref", [])
+    served = []
+    forward = megatrain_trl.FusedLogProbs.forward
+    megatrain_trl.FusedLogProbs.forward = lambda self, *a: served.append(1) or forward(self, *a)
+    try:
+        _, trainer, model, losses = run(tmp_path / "mt", [MegaTrainPlugin()])
+    finally:
+        megatrain_trl.FusedLogProbs.forward = forward
+    ref_state = {n: p.detach().cpu() for n, p in state_of(ref).items()}
+    _report(f"bf16_parity_trl_sft_ga{accumulation}", ref_losses, losses, ref_state, state_of(model))
+    if hasattr(__import__("trl.trainer.utils", fromlist=["x"]), "add_fused_lm_head"):
+        assert len(served) == 6 * accumulation  # every micro-batch's head ran in the head unit
+    assert "mean_token_accuracy" in trainer.state.log_history[0]
+    assert_close_losses(ref_losses, losses, BF16_LOSS_ATOL)
+    assert_close_updates(init, ref_state, state_of(model), BF16_UPDATE_RTOL)
+    engine_of(model).detach()
