@@ -77,10 +77,10 @@ class HostAdamW(torch.optim.Optimizer):
         self._update_s, self._updated_numel = 0.0, 0
         self._device_numel = 0  # ... of them updated on the compute device (device_update)
         self.kept_grad_units = 0  # device updates that read gradients the sink kept on the device
-        # device_update: a second worker updates the first units of a step on the store's compute
-        # device (the next forward needs them first) while the host worker updates the rest in order;
-        # each, out of its own units, takes the other's last ones. The split follows the two
-        # workers' measured rates (elements per second of each, last step).
+        # device_update: a second worker updates a share of a step's units on the store's compute
+        # device while the host worker updates the rest, both in forward order (the next forward
+        # follows them), the split set by the two workers' measured rates (elements per second of
+        # each, last step); a worker done with its own units takes the other's last ones.
         self.device_update = bool(device_update) and asynchronous
         self.device_share = DEVICE_SHARE_START  # fraction of a step's elements given to the device
         self._rates: dict[str, list[float]] = {"host": [0, 0.0], "device": [0, 0.0]}  # elements, seconds
@@ -245,33 +245,41 @@ class HostAdamW(torch.optim.Optimizer):
                 self._run_job(job)
             self.store.raise_error()
             return loss
-        split = self._device_split(jobs) if self.device_update else 0
-        if self._grad_sink is not None:  # next step's device units (and two more): keep their gradients
-            self._grad_sink.keep_on_device = frozenset(u for u, *_ in jobs[: split + 2])
+        device_jobs, host_jobs = self._assign(jobs) if self.device_update else ([], jobs)
+        if self._grad_sink is not None:  # the next step's split will be much the same: keep those gradients
+            self._grad_sink.keep_on_device = frozenset(u for u, *_ in device_jobs)
         with self._cond:
             self._pending += len(jobs)
-            self._device_list.extend(jobs[:split])
-            self._host_list.extend(jobs[split:])
-        self._jobs.put(_DRAIN)  # the host worker: its units in order, then the device's from the last ...
+            self._device_list.extend(device_jobs)
+            self._host_list.extend(host_jobs)
+        self._jobs.put(_DRAIN)  # each worker: its own units in order, then the other's from the last
         if self._device_worker is not None:
-            self._device_jobs.put(_DRAIN)  # ... the device worker: unit 0 first, then the host's from the last
+            self._device_jobs.put(_DRAIN)
         return loss
 
-    def _device_split(self, jobs: list) -> int:
-        """How many of the step's first jobs the device worker gets: ``device_share`` of the elements,
-        the share set from the rates the two workers reached in the last step."""
+    def _assign(self, jobs: list) -> tuple[list, list]:
+        """Split the step's jobs between the device worker and the host worker, in order: each job
+        goes to the worker that would finish it first at the rates the two reached in the last step
+        (elements per second), so the two finish together and units complete near forward order,
+        which the next forward follows. Returns (device jobs, host jobs)."""
         (host_n, host_s), (dev_n, dev_s) = self._rates["host"], self._rates["device"]
         if host_n and dev_n and host_s > 0 and dev_s > 0:
             host_rate, dev_rate = host_n / host_s, dev_n / dev_s
             self.device_share = min(0.95, max(0.05, dev_rate / (host_rate + dev_rate)))
         self._rates = {"host": [0, 0.0], "device": [0, 0.0]}
-        sizes = [sum(p.numel() for w in work for p in w[1]) for _, work, _ in jobs]
-        target, done = self.device_share * sum(sizes), 0
-        for k, size in enumerate(sizes):
-            if done + size / 2 > target:
-                return k
-            done += size
-        return len(jobs)
+        device, host = [], []
+        device_free = host_free = 0.0  # when each would be done with what it has, in time at unit rate
+        for job in jobs:
+            size = sum(p.numel() for w in job[1] for p in w[1])
+            device_done = device_free + size / self.device_share
+            host_done = host_free + size / (1.0 - self.device_share)
+            if device_done < host_done:
+                device.append(job)
+                device_free = device_done
+            else:
+                host.append(job)
+                host_free = host_done
+        return device, host
 
     def _snapshot(self, u: int, gi: int, entries: list[Entry], grad_scale) -> tuple | None:
         group = self.param_groups[gi]
@@ -551,8 +559,8 @@ def _apply_clip(grads: list[torch.Tensor], grad_scale) -> torch.Tensor | None:
 
 
 _DRAIN = object()  # "run the step's jobs"
-DEVICE_SHARE_START = 0.3
-"""device_update: the device's share of the elements in the first step (later: from measured rates)."""
+DEVICE_SHARE_START = 0.35
+"""device_update: the device's share of the update rate in the first step (later: measured)."""
 DEVICE_UPDATE_CHUNK = 1 << 25
 """device_update: elements per piece sent up (32 M: ~0.6 GB of GPU memory with their gradients,
 moments and bf16 copy), so a large unit (an untied lm_head) never needs all its state on the GPU."""
