@@ -47,6 +47,7 @@ class HostAdamW(torch.optim.Optimizer):
         kernel: str = "torch",
         device_update: bool = False,
         grad_sink=None,
+        stats=None,
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -85,6 +86,7 @@ class HostAdamW(torch.optim.Optimizer):
         self.device_share = DEVICE_SHARE_START  # fraction of a step's elements given to the device
         self._rates: dict[str, list[float]] = {"host": [0, 0.0], "device": [0, 0.0]}  # elements, seconds
         self._grad_sink = grad_sink if self.device_update else None  # keeps the device's units' gradients
+        self._stats = stats  # an EngineStats: the link bytes of the device's share are counted there
         self._device_stream = self._device_down = None
         if self.device_update and store.device.type == "cuda":
             self._device_stream = torch.cuda.Stream(store.device)  # state up, the update
@@ -446,6 +448,11 @@ class HostAdamW(torch.optim.Optimizer):
         def run(batch, hyper, grad_scale):
             steps = [b[0] for b in batch]
             hp, hg, hm, hv = ([b[i] for b in batch] for i in range(1, 5))
+            if cuda and self._stats is not None:
+                numel = sum(p.numel() for p in hp)
+                sent_grads = sum(g.numel() for g, b in zip(hg, batch) if not b[5])
+                staged = sum(b[6].numel() * b[6].element_size() for b in batch if b[6] is not None)
+                self._stats.add_update_bytes(12 * numel + 4 * sent_grads, 12 * numel + staged)
             with torch.cuda.stream(up_stream) if cuda else contextlib.nullcontext():
                 dp, dm, dv = up(hp), up(hm), up(hv)
                 dg = [g if on_dev else up([g])[0] for g, on_dev in zip(hg, (b[5] for b in batch))]

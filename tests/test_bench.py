@@ -225,3 +225,17 @@ def test_profiled_step_runs_after_the_measured_ones(tmp_path):
     summary = subprocess.run([sys.executable, "scripts/trace_summary.py", f"{out}.trace.json"], capture_output=True,
                              text=True, check=True, cwd=Path(__file__).parents[1])
     assert "megatrain.update" in summary.stdout
+
+
+def test_link_bytes_count_the_device_updates_state():
+    """device_update moves optimizer state over the link from its own thread: counted in the engine's
+    stats (reset with the rest) and in the bench's link bytes."""
+    from megatrain_hf.bench.worker import link_bytes
+    from megatrain_hf.engine import EngineStats
+
+    stats = EngineStats(h2d_bytes=100, d2h_bytes=10)
+    stats.add_update_bytes(1000, 2000)
+    counters = {k: v for k, v in vars(stats).items() if not k.startswith("_")}
+    assert link_bytes("megatrain", counters)["link_bytes_per_step"] == {"h2d": 1100, "d2h": 2010, "total": 3110}
+    stats.reset()
+    assert stats.update_h2d_bytes == stats.update_d2h_bytes == stats.h2d_bytes == 0

@@ -234,9 +234,12 @@ def link_bytes(system: str, counters: dict[str, float] | None) -> dict[str, Any]
     if not counters or "h2d_bytes" not in counters:
         return {"link_bytes_per_step": None,
                 "link_note": "megatrain engine counters (engine_of(model).stats.h2d_bytes/d2h_bytes) not found"}
-    h2d, d2h = counters["h2d_bytes"], counters.get("d2h_bytes", 0.0)
+    # device_update: the optimizer state its share moves counts too
+    h2d = counters["h2d_bytes"] + counters.get("update_h2d_bytes", 0.0)
+    d2h = counters.get("d2h_bytes", 0.0) + counters.get("update_d2h_bytes", 0.0)
     return {"link_bytes_per_step": {"h2d": h2d, "d2h": d2h, "total": h2d + d2h},
-            "link_note": "megatrain engine counters (engine_of(model).stats), mean over measured steps"}
+            "link_note": "megatrain engine counters (engine_of(model).stats; with device_update, the "
+                         "optimizer state it moves included), mean over measured steps"}
 
 
 def environment() -> dict[str, Any]:

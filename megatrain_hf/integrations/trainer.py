@@ -133,6 +133,7 @@ class MegaTrainPlugin(TrainerCallback):
                     device_update=plugin.config.device_update,
                     # the device's units keep their gradients on the GPU, unless a GPU budget has no room planned for them
                     grad_sink=plugin.engine.grads if plugin.engine.gpu_budget is None else None,
+                    stats=plugin.engine.stats,
                 )
                 logger.info("megatrain: AdamW runs as HostAdamW on the host flats (same math)")
             return self.optimizer
@@ -394,12 +395,14 @@ class MegaTrainPlugin(TrainerCallback):
         out = {
             "megatrain/h2d_GB": stats.h2d_bytes / 1e9,
             "megatrain/d2h_GB": stats.d2h_bytes / 1e9,
+            "megatrain/update_link_GB": (stats.update_h2d_bytes + stats.update_d2h_bytes) / 1e9,
             "megatrain/tokens": float(stats.tokens),
             "megatrain/skipped_steps": float(self.skipped_steps),
         }
         if self._last_log is not None:
             out["megatrain/tokens_per_s"] = stats.tokens / elapsed
-            out["megatrain/link_GBps"] = (stats.h2d_bytes + stats.d2h_bytes) / 1e9 / elapsed
+            link = stats.h2d_bytes + stats.d2h_bytes + stats.update_h2d_bytes + stats.update_d2h_bytes
+            out["megatrain/link_GBps"] = link / 1e9 / elapsed
             out["megatrain/optimizer_wait_frac"] = stats.optimizer_wait_s / elapsed
             out["megatrain/grad_wait_frac"] = stats.grad_wait_s / elapsed
             out["megatrain/tflops"] = stats.useful_flops / elapsed / 1e12  # 6PT + 12LHST, no recompute
