@@ -97,18 +97,20 @@ class MegaTrainConfig:
     built), torch on the CPU."""
 
     device_update: bool = False
-    """Let the compute device share HostAdamW's update: the host worker updates units from the
-    first one forwards while a second worker takes units from the last one backwards and updates
-    them on the GPU (masters, gradients and moments up the link, torch's fused AdamW there, masters,
-    moments and the compute-dtype copy back down) until they meet. Worth it where the host's cores,
-    not its memory, bound the update (the host probe, `scripts/host_probe.py`, compares the update
-    with and without DMA traffic). Same formula; on CUDA the units it updates differ from the host
-    kernel's results in the last bit. Sends a unit up in pieces of 32 M elements (~0.6 GB of GPU
-    memory while it runs). Measured on one H200 (16-core host, `d0098c6`): the host update there is
-    bound by memory bandwidth (3.57 G params/s alone, 2.70 while the copy engines run), so the
-    GPU's share costs the host's nearly what it saves: 3.14 B at 16K tokens per step ran 9,786
-    tokens/s with it (32 % of the units on the GPU), 10,055 with `host_staging=False` instead
-    (docs/benchmarks.md)."""
+    """Let the GPU take a share of HostAdamW's update. Each step's units are split, in forward order,
+    between the host worker and a device worker, each unit to the one that would finish it first at
+    the rates both reached in the last step, so the next forward trails both; the device worker
+    sends a unit's masters and moments up the link in pieces of 32 M elements, runs torch's fused
+    AdamW there on the gradients the gradient sink kept on the GPU (no round trip for them), and
+    brings masters, moments and the bf16 copy back on a second stream while the next piece goes
+    up. Same formula; on CUDA the GPU's units differ from the host kernel's in the last bit. Costs
+    GPU memory: the kept fp32 gradients of the GPU's units (4 B per parameter of its share, ~4 GB
+    at 3.14 B, from their backward to their update, when activations are mostly freed: the peak
+    rose from 9.08 to 9.55 GiB there) and up to three pieces in flight (~1.5 GB); under
+    `max_gpu_memory` the gradients are not kept (they go up again). Worth it when the update is exposed, i.e. with little gradient
+    accumulation: on one H200 (16-core host), 3.14 B at 16K tokens per step ran 10,876 tokens/s
+    with it (1.67x DeepSpeed ZeRO-3 offload in the same call) against 10,321 with
+    `host_staging=False` alone (`d99d99b`, `977dd3e`; docs/benchmarks.md)."""
 
     host_staging: bool | str = "auto"
     """Keep a compute-dtype (bf16) copy of the matrix masters in host RAM (2 B/param, refreshed by
