@@ -106,8 +106,9 @@ class MegaTrainConfig:
     up. Same formula; on CUDA the GPU's units differ from the host kernel's in the last bit. Costs
     GPU memory: the kept fp32 gradients of the GPU's units (4 B per parameter of its share, ~4 GB
     at 3.14 B, from their backward to their update, when activations are mostly freed: the peak
-    rose from 9.08 to 9.55 GiB there) and up to three pieces in flight (~1.5 GB); under
-    `max_gpu_memory` the gradients are not kept (they go up again). Worth it when the update is exposed, i.e. with little gradient
+    rose from 9.08 to 9.55 GiB there; at most 10 % of the GPU's memory, first units first, the
+    rest go up the link again) and up to three pieces in flight (~1.5 GB); under `max_gpu_memory`
+    none are kept. Worth it when the update is exposed, i.e. with little gradient
     accumulation: on one H200 (16-core host), 3.14 B at 16K tokens per step ran 10,876 tokens/s
     with it (1.67x DeepSpeed ZeRO-3 offload in the same call) against 10,321 with
     `host_staging=False` alone (`d99d99b`, `977dd3e`; docs/benchmarks.md)."""
@@ -119,8 +120,9 @@ class MegaTrainConfig:
     the host plan does not fit in the RAM available with it but fits without it (logged): 16
     instead of 18 bytes per trainable parameter, e.g. a 7B full fine-tune in 128 GB. `False` also
     shortens the update (no bf16 copy written): with a fast link and little accumulation it is
-    the faster choice (3.14 B at 16K tokens per step on one H200: 10,055 tokens/s, 3.6 % above
-    the defaults' last run, docs/benchmarks.md)."""
+    the faster choice without `device_update` (3.14 B at 16K tokens per step on one H200: 10,321
+    tokens/s, 1.59x DeepSpeed ZeRO-3 offload), not with it (11,009 with the copy, 10,687 without;
+    the link then carries the GPU's share of the optimizer state too; docs/benchmarks.md)."""
 
     max_gpu_memory: str | int | None = None
     """GPU memory budget for this process, e.g. `"24GiB"`, `"20GB"` or a byte count; `None`: no

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 import weakref
 import functools
@@ -90,24 +89,16 @@ class EngineStats:
     fetches: int = 0  # unit weight fetches
     uploads: int = 0  # ... that had to upload the unit (the others reused the copy on the device)
     fetches_not_ready: int = 0  # ... whose upload had not landed when the compute needed it
-    # HostAdamW's device_update moves optimizer state over the link from its own thread
+    # optimizer state HostAdamW's device_update moved over the link (added at the next step())
     update_h2d_bytes: int = 0
     update_d2h_bytes: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add_update_bytes(self, h2d: int, d2h: int) -> None:
-        """Link bytes of the device's share of the update (called from the optimizer's device worker)."""
-        with self._lock:
-            self.update_h2d_bytes += h2d
-            self.update_d2h_bytes += d2h
 
     def reset(self) -> None:
         self.forward_units = self.backward_units = self.h2d_bytes = self.d2h_bytes = self.tokens = 0
         self.grad_stream_bytes = 0
         self.fetches = self.fetches_not_ready = self.uploads = 0
         self.useful_flops = self.optimizer_wait_s = self.grad_wait_s = self.grad_stream_busy_s = 0.0
-        with self._lock:
-            self.update_h2d_bytes = self.update_d2h_bytes = 0
+        self.update_h2d_bytes = self.update_d2h_bytes = 0
 
 
 @dataclass

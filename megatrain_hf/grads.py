@@ -63,6 +63,7 @@ class GradSink:
         # the device's share of the update need not bring them back up (set by HostAdamW)
         self.keep_on_device: frozenset[int] = frozenset()
         self._kept: dict[int, tuple[tuple, dict[int, torch.Tensor]]] = {}  # unit -> (grad key, {offset: flat})
+        self.stale_device_grads = 0  # kept copies found stale when taken (a gradient changed since)
         self._error: BaseException | None = None
         self._pending = 0
         self._cond = threading.Condition()
@@ -151,12 +152,13 @@ class GradSink:
 
     def _send(self, u: int, local: list[tuple[Entry, torch.Tensor]], want_norm: bool, timed: bool = True) -> None:
         """Unit ``u``'s gradients (owned by ``u``) into its host accumulators."""
+        before = self._grad_key(u) if u in self.keep_on_device else None  # what kept copies describe
         if self._worker is None:
             for e, g in local:
                 self.store.accumulate_grad(e, g)
             self.norms[u] = self._unit_norms(u) if want_norm else None
             if u in self.keep_on_device:  # the "device" is the CPU: a copy of the accumulated sums
-                self._keep(u, [(e, e.tensor.grad.detach().reshape(-1).clone()) for e, _ in local])
+                self._keep(u, [(e, e.tensor.grad.detach().reshape(-1).clone()) for e, _ in local], before)
             return
         grad_host = self.store.buffers[u].grad_host
         fresh, added, sent = [], [], []
@@ -169,6 +171,7 @@ class GradSink:
                 added.append((e, g))
             else:  # the user replaced .grad with a tensor of their own: add into it, synchronously
                 self.store.accumulate_grad(e, g)
+                before = None  # and no device copy of this unit's gradients is kept
                 continue
             sent.append(e)
         # The GPU knows the whole of each accumulator once every tensor of the unit holding a
@@ -196,7 +199,10 @@ class GradSink:
             e.tensor.grad = grad_host[e.offset : e.offset + e.numel].view(e.shape)
         key = self._grad_key(u)  # what the norms describe: a later change of .grad invalidates them
         if u in self.keep_on_device:
-            self._keep(u, sums, key)
+            if before is None:
+                self._kept.pop(u, None)
+            else:
+                self._keep(u, sums, before, key)
         with self._cond:
             self._pending += 1
         self.norms[u] = None
@@ -355,17 +361,28 @@ class GradSink:
         self.norms = [None] * len(self.norms)
 
     # ------------------------------------------------------------------ device copies (device_update)
-    def _keep(self, u: int, sums: list[tuple[Entry, torch.Tensor]], key: tuple | None = None) -> None:
+    def _keep(self, u: int, sums: list[tuple[Entry, torch.Tensor]], before: tuple, key: tuple | None = None) -> None:
         """Keep unit ``u``'s summed gradients (flat fp32, as sent down) on the device, valid while the
-        unit's ``.grad`` keeps ``key`` (a later send, an edit or a replaced ``.grad`` changes it)."""
-        held = self._kept.get(u, (None, {}))[1]  # a unit sent twice in a step: the later sums win
-        held.update({e.offset: t for e, t in sums})
+        unit's ``.grad`` keeps ``key`` (a later send, an edit or a replaced ``.grad`` changes it).
+        Copies kept by an earlier send of the unit join them only if they still described its
+        ``.grad`` just before this send (``before``): a unit sent twice in a step."""
+        old_key, held = self._kept.get(u, (None, {}))
+        held = dict(held) if old_key == before else {}
+        held.update({e.offset: t for e, t in sums})  # the later sums win
         self._kept[u] = (self._grad_key(u) if key is None else key, held)
 
     def take_device_grads(self) -> dict[int, dict[int, torch.Tensor]]:
         """The kept device gradients that still equal the host ``.grad`` (unit -> {offset: flat}), once:
         the sink forgets them all. Call after backward's gradients landed (``wait()``)."""
         kept, self._kept = self._kept, {}
-        return {u: held for u, (key, held) in kept.items() if key == self._grad_key(u)}
+        valid = {u: held for u, (key, held) in kept.items() if key == self._grad_key(u)}
+        self.stale_device_grads += len(kept) - len(valid)
+        return valid
+
+    def drop_device_grads(self) -> None:
+        """Keep nothing on the device any more, and free what is kept (the optimizer that collected
+        them skipped a step, was closed or replaced)."""
+        self.keep_on_device = frozenset()
+        self._kept = {}
 
 

@@ -87,6 +87,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._rates: dict[str, list[float]] = {"host": [0, 0.0], "device": [0, 0.0]}  # elements, seconds
         self._grad_sink = grad_sink if self.device_update else None  # keeps the device's units' gradients
         self._stats = stats  # an EngineStats: the link bytes of the device's share are counted there
+        self._link_bytes = (0, 0)  # ... as they accumulate (h2d, d2h), handed over at the next step()
         self._device_stream = self._device_down = None
         if self.device_update and store.device.type == "cuda":
             self._device_stream = torch.cuda.Stream(store.device)  # state up, the update
@@ -223,22 +224,39 @@ class HostAdamW(torch.optim.Optimizer):
         if self._skip_next:
             self._skip_next = False
             self.skipped_steps += 1
+            if self._grad_sink is not None:
+                self._grad_sink.take_device_grads()  # this step's copies: not needed, freed
             return loss
         if self.asynchronous and not self._workers_alive():
+            if self._grad_sink is not None:
+                self._grad_sink.drop_device_grads()
             raise RuntimeError(
                 "HostAdamW worker thread is not running (the optimizer was closed, or the thread ended); "
                 "build a new optimizer or restart from the last checkpoint"
             )
         if self.store.device.type == "cuda":
-            torch.cuda.synchronize(self.store.device)  # no upload still reads a staging buffer
+            # no upload still reads a staging buffer, and the gradients kept on the device (made on
+            # the grad and compute streams) are complete before the device stream reads them
+            torch.cuda.synchronize(self.store.device)
+        if self._stats is not None:  # what the device's share moved in the last update (its pieces all landed)
+            with self._update_stats_lock:
+                (h2d, d2h), self._link_bytes = self._link_bytes, (0, 0)
+            self._stats.update_h2d_bytes += h2d
+            self._stats.update_d2h_bytes += d2h
         kept = self._grad_sink.take_device_grads() if self._grad_sink is not None else {}
-        jobs = []  # snapshot everything first: a failure here leaves no unit marked busy
+        jobs = []  # snapshot and plan everything first: a failure here leaves no unit marked busy
         for u, groups in self._plan.items():
             work = [self._snapshot(u, gi, entries, grad_scale) for gi, entries in groups.items()]
             work = [w for w in work if w is not None]
             if work:
                 jobs.append((u, work, kept.pop(u, None)))
         del kept  # gradients kept for units without an update now: freed
+        device_jobs, host_jobs = self._assign(jobs) if self.device_update else ([], jobs)
+        if self.device_update:
+            # the host's jobs drop their kept gradients, except the last two, which the device may take
+            host_jobs = [(u, w, k if i >= len(host_jobs) - 2 else None) for i, (u, w, k) in enumerate(host_jobs)]
+        if self._grad_sink is not None:  # the next step's split will be much the same: keep those gradients
+            self._grad_sink.keep_on_device = self._keep_set(device_jobs)
         worker = self._worker if self.asynchronous else None
         for u, *_ in jobs:
             self.store.begin_update(u, worker)
@@ -247,9 +265,6 @@ class HostAdamW(torch.optim.Optimizer):
                 self._run_job(job)
             self.store.raise_error()
             return loss
-        device_jobs, host_jobs = self._assign(jobs) if self.device_update else ([], jobs)
-        if self._grad_sink is not None:  # the next step's split will be much the same: keep those gradients
-            self._grad_sink.keep_on_device = frozenset(u for u, *_ in device_jobs)
         with self._cond:
             self._pending += len(jobs)
             self._device_list.extend(device_jobs)
@@ -259,11 +274,28 @@ class HostAdamW(torch.optim.Optimizer):
             self._device_jobs.put(_DRAIN)
         return loss
 
+    def _keep_set(self, device_jobs: list) -> frozenset[int]:
+        """Units whose gradients the sink keeps on the device for the next step: the device's, first
+        units first (their gradients come last in backward and go first in the update, so they
+        live shortest), up to ``KEEP_DEVICE_FRACTION`` of the device's memory."""
+        if self.store.device.type == "cuda":
+            limit = KEEP_DEVICE_FRACTION * torch.cuda.get_device_properties(self.store.device).total_memory
+        else:
+            limit = float("inf")
+        keep, size = [], 0
+        for u, work, _ in device_jobs:
+            size += 4 * sum(p.numel() for w in work for p in w[1])
+            if size > limit:
+                break
+            keep.append(u)
+        return frozenset(keep)
+
     def _assign(self, jobs: list) -> tuple[list, list]:
         """Split the step's jobs between the device worker and the host worker, in order: each job
         goes to the worker that would finish it first at the rates the two reached in the last step
         (elements per second), so the two finish together and units complete near forward order,
         which the next forward follows. Returns (device jobs, host jobs)."""
+        # (the workers are idle: step() synchronized, so _rates is not being written)
         (host_n, host_s), (dev_n, dev_s) = self._rates["host"], self._rates["device"]
         if host_n and dev_n and host_s > 0 and dev_s > 0:
             host_rate, dev_rate = host_n / host_s, dev_n / dev_s
@@ -448,11 +480,6 @@ class HostAdamW(torch.optim.Optimizer):
         def run(batch, hyper, grad_scale):
             steps = [b[0] for b in batch]
             hp, hg, hm, hv = ([b[i] for b in batch] for i in range(1, 5))
-            if cuda and self._stats is not None:
-                numel = sum(p.numel() for p in hp)
-                sent_grads = sum(g.numel() for g, b in zip(hg, batch) if not b[5])
-                staged = sum(b[6].numel() * b[6].element_size() for b in batch if b[6] is not None)
-                self._stats.add_update_bytes(12 * numel + 4 * sent_grads, 12 * numel + staged)
             with torch.cuda.stream(up_stream) if cuda else contextlib.nullcontext():
                 dp, dm, dv = up(hp), up(hm), up(hv)
                 dg = [g if on_dev else up([g])[0] for g, on_dev in zip(hg, (b[5] for b in batch))]
@@ -479,8 +506,14 @@ class HostAdamW(torch.optim.Optimizer):
                 for b, dev in zip(batch, dp):
                     if b[6] is not None:
                         b[6].copy_(dev.to(b[6].dtype), non_blocking=True)
-                landed = torch.cuda.Event()
+                landed = torch.cuda.Event(blocking=True)  # waited for below: sleep, do not spin a core
                 landed.record(down_stream)
+            numel = sum(p.numel() for p in hp)
+            sent_grads = sum(g.numel() for g, b in zip(hg, batch) if not b[5])
+            staged = sum(b[6].numel() * b[6].element_size() for b in batch if b[6] is not None)
+            with self._update_stats_lock:
+                h2d, d2h = self._link_bytes
+                self._link_bytes = (h2d + 12 * numel + 4 * sent_grads, d2h + 12 * numel + staged)
             queued.append(landed)
             while len(queued) > 2:  # at most three pieces' state on the device at once
                 queued.popleft().synchronize()
@@ -506,8 +539,10 @@ class HostAdamW(torch.optim.Optimizer):
                     run(batch, hyper, grad_scale)
         finally:
             if cuda:  # the host flats hold the result (or nothing is still writing them) before the unit is ready
-                up_stream.synchronize()
-                down_stream.synchronize()
+                for stream in (up_stream, down_stream):
+                    done = torch.cuda.Event(blocking=True)
+                    done.record(stream)
+                    done.synchronize()
         if kept:
             with self._update_stats_lock:
                 self.kept_grad_units += 1
@@ -543,6 +578,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Stop the worker thread (after finishing pending updates)."""
+        if self._grad_sink is not None:
+            self._grad_sink.drop_device_grads()
         if self.asynchronous and self._worker.is_alive():
             self.synchronize()
             self._jobs.put(None)
@@ -566,6 +603,9 @@ def _apply_clip(grads: list[torch.Tensor], grad_scale) -> torch.Tensor | None:
 
 
 _DRAIN = object()  # "run the step's jobs"
+KEEP_DEVICE_FRACTION = 0.1
+"""device_update: at most this fraction of the device's memory holds gradients kept for its share
+(the rest of its units' gradients go up the link again)."""
 DEVICE_SHARE_START = 0.35
 """device_update: the device's share of the update rate in the first step (later: measured)."""
 DEVICE_UPDATE_CHUNK = 1 << 25

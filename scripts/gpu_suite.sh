@@ -50,7 +50,7 @@ for stage in $STAGES; do
       for trace in "$R/$stage"/logs/*.trace.json; do
         [ -f "$trace" ] || continue
         name=$stage-$(basename "$trace" .json.trace.json)
-        python3 scripts/trace_summary.py "$trace" > "$R/$name-trace.txt" 2>&1
+        timeout $(left 60) python3 scripts/trace_summary.py "$trace" > "$R/$name-trace.txt" 2>&1
         gzip -1 "$trace" && mv "$trace.gz" "/tmp/$name-trace.json.gz"
         [ "$(stat -c %s "/tmp/$name-trace.json.gz")" -lt 15000000 ] && cp "/tmp/$name-trace.json.gz" "$OUT/"
       done;;

@@ -20,7 +20,8 @@ def load(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         data = json.load(f)
-    return [e for e in data.get("traceEvents", data) if e.get("ph") == "X" and "dur" in e]
+    events = data["traceEvents"] if isinstance(data, dict) else data  # the object or the bare-list form
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
 
 
 def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:

@@ -228,13 +228,12 @@ def test_profiled_step_runs_after_the_measured_ones(tmp_path):
 
 
 def test_link_bytes_count_the_device_updates_state():
-    """device_update moves optimizer state over the link from its own thread: counted in the engine's
-    stats (reset with the rest) and in the bench's link bytes."""
+    """device_update moves optimizer state over the link: counted in the engine's stats (reset with
+    the rest) and in the bench's link bytes."""
     from megatrain_hf.bench.worker import link_bytes
     from megatrain_hf.engine import EngineStats
 
-    stats = EngineStats(h2d_bytes=100, d2h_bytes=10)
-    stats.add_update_bytes(1000, 2000)
+    stats = EngineStats(h2d_bytes=100, d2h_bytes=10, update_h2d_bytes=1000, update_d2h_bytes=2000)
     counters = {k: v for k, v in vars(stats).items() if not k.startswith("_")}
     assert link_bytes("megatrain", counters)["link_bytes_per_step"] == {"h2d": 1100, "d2h": 2010, "total": 3110}
     stats.reset()

@@ -59,8 +59,17 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
 
     on_device_seen = []
 
+    assigned = []
+    assign = opt._assign
+
+    def record_assignment(jobs):
+        device_jobs, host_jobs = assign(jobs)
+        assigned.append(([u for u, *_ in device_jobs], [u for u, *_ in host_jobs]))
+        return device_jobs, host_jobs
+
     monkeypatch.setattr(opt, "_run_on_device", device)
     monkeypatch.setattr(opt, "_run_job", host_or_device)
+    monkeypatch.setattr(opt, "_assign", record_assignment)
     for step in range(4):
         torch.manual_seed(step)
         grads = {n: torch.randn_like(p) for n, p in models[0].named_parameters()}
@@ -76,10 +85,10 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
         opt.synchronize()
         units = len(opt._plan)
         assert sorted(on_device + on_host) == sorted(opt._plan) and on_device and on_host, (on_host, on_device)
-        assert min(opt._plan) in (on_host[0], on_device[0])  # one of them starts with unit 0
-        for seq in (on_host, on_device):  # its own units in forward order, then any taken from the other's end
-            peak = seq.index(max(seq))
-            assert seq[: peak + 1] == sorted(seq[: peak + 1]) and seq[peak:] == sorted(seq[peak:], reverse=True), seq
+        device_units, host_units = assigned.pop()
+        assert device_units and host_units
+        for seq, own, other in ((on_host, host_units, device_units), (on_device, device_units, host_units)):
+            assert _own_then_others_last(seq, own, other), (seq, own, other)
         on_device.clear(), on_host.clear(), on_device_seen.clear()
         both_started.reset()
     assert units > 2
@@ -99,6 +108,36 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
     opt.close()
     assert not opt._device_worker.is_alive()
 
+
+
+def _own_then_others_last(seq: list, own: list, other: list) -> bool:
+    """``seq`` is a prefix of ``own`` followed by ``other``'s last units, last first."""
+    a = 0
+    while a < len(seq) and a < len(own) and seq[a] == own[a]:
+        a += 1
+    rest = seq[a:]
+    return rest == list(reversed(other))[: len(rest)]
+
+
+@pytest.mark.parametrize("rates, pattern", [((1.0, 1.0), "HDHDHD"), ((2.0, 1.0), "HHDHHD")])
+def test_assignment_follows_the_measured_rates(rates, pattern):
+    """Each unit, in forward order, goes to the worker that would finish it first at last step's
+    rates (elements per second): equal rates alternate; a host twice as fast takes two in three."""
+    model = tiny_model("llama")
+    engine = attach(model, device="cpu")
+    opt = HostAdamW(_groups(model), store=engine.store, device_update=True)
+    try:
+        host_rate, device_rate = rates
+        opt._rates = {"host": [int(host_rate * 1000), 1.0], "device": [int(device_rate * 1000), 1.0]}
+        jobs = [(u, [(None, [torch.empty(10)])], None) for u in range(6)]
+        device_jobs, host_jobs = opt._assign(jobs)
+        got = "".join("D" if any(j[0] == u for j in device_jobs) else "H" for u in range(6))
+        assert got == pattern
+        assert [j[0] for j in host_jobs] == sorted(j[0] for j in host_jobs)  # both in forward order
+        assert [j[0] for j in device_jobs] == sorted(j[0] for j in device_jobs)
+    finally:
+        opt.close()
+        engine.detach()
 
 
 @pytest.mark.parametrize("accumulation", [1, 2])
@@ -143,7 +182,8 @@ def test_device_update_reads_gradients_edited_after_backward(tmp_path):
         trainer, losses = train(model, training_args(tmp_path / name, **args), callbacks=[*plugin, halve])
         results.append((losses, state_of(model)))
         if plugin:
-            assert trainer.optimizer.optimizer.kept_grad_units == 0  # every kept copy was found stale
+            assert trainer.optimizer.optimizer.kept_grad_units == 0  # no kept copy was used ...
+            assert engine_of(model).grads.stale_device_grads > 0  # ... because those kept were found stale
             engine_of(model).detach()
     (ref_losses, ref), (losses, got) = results
     assert_close_losses(ref_losses, losses, 0.0)

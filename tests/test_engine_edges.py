@@ -189,12 +189,12 @@ def test_gradient_round_trip_logic_on_an_emulated_grad_stream():
         for e, g in added:
             region = grad_host[e.offset : e.offset + e.numel]
             region.copy_(region + g.reshape(-1).float())
-            sums.append(region.clone())
+            sums.append((e, region.clone()))
         for e, g in fresh:
             grad_host[e.offset : e.offset + e.numel].copy_(g.reshape(-1).float())
-            sums.append(g.reshape(-1).float())
-        norms = torch.stack(torch._foreach_norm(sums, 2)) if gpu_norms else None
-        return LateEvent(), LateEvent(), norms
+            sums.append((e, g.reshape(-1).float()))
+        norms = torch.stack(torch._foreach_norm([t for _, t in sums], 2)) if gpu_norms else None
+        return LateEvent(), LateEvent(), norms, sums
 
     sink._jobs = queue.Queue()
     sink._copy_down = copy_down

@@ -141,6 +141,11 @@ class StepProfiler(TrainerCallback):
             self._prof = profile(activities=activities, experimental_config=config)
             self._prof.__enter__()
 
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._prof is not None:  # training ended before the recorded step did: stop, keep no trace
+            prof, self._prof = self._prof, None
+            prof.__exit__(None, None, None)
+
     def on_step_end(self, args, state, control, optimizer=None, **kwargs):
         if self._prof is not None and state.global_step == self.step:
             inner = getattr(optimizer, "optimizer", optimizer)

@@ -174,6 +174,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     result["attn_implementation"] = attn
     if args.profile:
         result["profiled_step"] = args.warmup_steps + args.steps + 2
+        result["profile_note"] = "the memory peaks include the two steps run for the profile"
     return result
 
 

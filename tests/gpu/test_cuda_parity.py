@@ -427,3 +427,50 @@ def test_bf16_parity_trl_sft_trainer_fused_head(tmp_path, accumulation):
     assert_close_losses(ref_losses, losses, BF16_LOSS_ATOL)
     assert_close_updates(init, ref_state, state_of(model), BF16_UPDATE_RTOL)
     engine_of(model).detach()
+
+
+def test_device_update_kept_gradients_equal_uploaded_ones(tmp_path, monkeypatch):
+    """device_update with the gradients kept on the GPU gives bitwise the results of uploading the
+    host's copy of the same sums (same units on each side: a fixed split, no taking of the other's
+    units; the GPU's units then run the same CUDA kernel on the same values). Accumulation 2 sends
+    each unit's sum once (layer-major); a kept copy that were stale or partial would differ."""
+    from megatrain_hf.optimizer import HostAdamW
+
+    shape = {**SHAPE, "attention_dropout": 0.0}
+    args = dict(bf16=True, gradient_accumulation_steps=2, max_steps=4)
+
+    def fixed_split(self, jobs):
+        return [j for j in jobs if j[0] % 2 == 1], [j for j in jobs if j[0] % 2 == 0]
+
+    def own_list_only(self, on_device):
+        own = self._device_list if on_device else self._host_list
+        while True:
+            with self._cond:
+                if not own:
+                    return
+                job = own.popleft()
+            self.store.claim_update(job[0], __import__("threading").current_thread())
+            try:
+                self._run_job(job, on_device=on_device)
+            finally:
+                with self._cond:
+                    self._pending -= 1
+                    self._cond.notify_all()
+
+    monkeypatch.setattr(HostAdamW, "_assign", fixed_split)
+    monkeypatch.setattr(HostAdamW, "_drain", own_list_only)
+    runs = []
+    for keep in (True, False):
+        if not keep:
+            monkeypatch.setattr(HostAdamW, "_keep_set", lambda self, jobs: frozenset())
+        model = tiny_model("llama", **shape)
+        trainer, losses = train(model, _args(tmp_path / f"keep{keep}", **args), dataset=_data(),
+                                callbacks=[MegaTrainPlugin(device_update=True)])
+        optimizer = trainer.optimizer.optimizer
+        assert (optimizer.kept_grad_units > 0) == keep
+        runs.append((losses, state_of(model)))
+        engine_of(model).detach()
+    (kept_losses, kept), (sent_losses, sent) = runs
+    assert kept_losses == sent_losses
+    for name in kept:
+        assert torch.equal(kept[name], sent[name]), name
