@@ -439,15 +439,15 @@ class HostAdamW(torch.optim.Optimizer):
     def _drain_device(self, token) -> None:
         self._drain(on_device=True)
 
-    def _drain(self, on_device: bool) -> None:
-        """Run the step's jobs: this worker's own list in order, then the other worker's from its
-        last job backwards (the units the next forward needs last), until none is left."""
+    def _drain(self, on_device: bool, take_others: bool = True) -> None:
+        """Run the step's jobs: this worker's own list in order, then (``take_others``) the other
+        worker's from its last job backwards (the units the next forward needs last), until none is left."""
         own, other = (self._device_list, self._host_list) if on_device else (self._host_list, self._device_list)
         while True:
             with self._cond:
                 if own:
                     job = own.popleft()
-                elif other:
+                elif other and take_others:
                     job = other.pop()
                 else:
                     return

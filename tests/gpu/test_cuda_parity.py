@@ -442,23 +442,9 @@ def test_device_update_kept_gradients_equal_uploaded_ones(tmp_path, monkeypatch)
     def fixed_split(self, jobs):
         return [j for j in jobs if j[0] % 2 == 1], [j for j in jobs if j[0] % 2 == 0]
 
-    def own_list_only(self, on_device):
-        own = self._device_list if on_device else self._host_list
-        while True:
-            with self._cond:
-                if not own:
-                    return
-                job = own.popleft()
-            self.store.claim_update(job[0], __import__("threading").current_thread())
-            try:
-                self._run_job(job, on_device=on_device)
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    self._cond.notify_all()
-
+    drain = HostAdamW._drain
     monkeypatch.setattr(HostAdamW, "_assign", fixed_split)
-    monkeypatch.setattr(HostAdamW, "_drain", own_list_only)
+    monkeypatch.setattr(HostAdamW, "_drain", lambda self, on_device: drain(self, on_device, take_others=False))
     runs = []
     for keep in (True, False):
         if not keep:
