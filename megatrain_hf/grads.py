@@ -158,7 +158,8 @@ class GradSink:
                 self.store.accumulate_grad(e, g)
             self.norms[u] = self._unit_norms(u) if want_norm else None
             if u in self.keep_on_device:  # the "device" is the CPU: a copy of the accumulated sums
-                self._keep(u, [(e, e.tensor.grad.detach().reshape(-1).clone()) for e, _ in local], before)
+                self._keep(u, [(e, e.tensor.grad.detach().reshape(-1).clone()) for e, _ in local], before,
+                           self._grad_key(u))
             return
         grad_host = self.store.buffers[u].grad_host
         fresh, added, sent = [], [], []
@@ -361,7 +362,7 @@ class GradSink:
         self.norms = [None] * len(self.norms)
 
     # ------------------------------------------------------------------ device copies (device_update)
-    def _keep(self, u: int, sums: list[tuple[Entry, torch.Tensor]], before: tuple, key: tuple | None = None) -> None:
+    def _keep(self, u: int, sums: list[tuple[Entry, torch.Tensor]], before: tuple, key: tuple) -> None:
         """Keep unit ``u``'s summed gradients (flat fp32, as sent down) on the device, valid while the
         unit's ``.grad`` keeps ``key`` (a later send, an edit or a replaced ``.grad`` changes it).
         Copies kept by an earlier send of the unit join them only if they still described its
@@ -369,7 +370,7 @@ class GradSink:
         old_key, held = self._kept.get(u, (None, {}))
         held = dict(held) if old_key == before else {}
         held.update({e.offset: t for e, t in sums})  # the later sums win
-        self._kept[u] = (self._grad_key(u) if key is None else key, held)
+        self._kept[u] = (key, held)
 
     def take_device_grads(self) -> dict[int, dict[int, torch.Tensor]]:
         """The kept device gradients that still equal the host ``.grad`` (unit -> {offset: flat}), once:
@@ -384,5 +385,3 @@ class GradSink:
         them skipped a step, was closed or replaced)."""
         self.keep_on_device = frozenset()
         self._kept = {}
-
-

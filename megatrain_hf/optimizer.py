@@ -284,7 +284,7 @@ class HostAdamW(torch.optim.Optimizer):
             limit = float("inf")
         keep, size = [], 0
         for u, work, _ in device_jobs:
-            size += 4 * sum(p.numel() for w in work for p in w[1])
+            size += 4 * _numel(work)
             if size > limit:
                 break
             keep.append(u)
@@ -304,7 +304,7 @@ class HostAdamW(torch.optim.Optimizer):
         device, host = [], []
         device_free = host_free = 0.0  # when each would be done with what it has, in time at unit rate
         for job in jobs:
-            size = sum(p.numel() for w in job[1] for p in w[1])
+            size = _numel(job[1])
             device_done = device_free + size / self.device_share
             host_done = host_free + size / (1.0 - self.device_share)
             if device_done < host_done:
@@ -379,7 +379,7 @@ class HostAdamW(torch.optim.Optimizer):
             logger.exception("HostAdamW update of unit %d failed", u)
             error = exc
         finally:
-            numel = sum(p.numel() for w in work for p in w[1])
+            numel = _numel(work)
             elapsed = time.perf_counter() - start
             with self._update_stats_lock:
                 if on_device:  # runs beside the host's updates: its time is not the host's
@@ -415,10 +415,7 @@ class HostAdamW(torch.optim.Optimizer):
                 scalars["bc2_sqrt"].append(math.sqrt(1 - beta2**n))
                 scalars["eps"].append(eps)
                 scalars["neg_step_size"].append(-(lr / (1 - beta1**n)))
-            stages = [
-                staging[e.offset : e.offset + e.numel] if staging is not None and e.wire != torch.float32 else None
-                for e in entries
-            ]
+            stages = [_stage_of(staging, e) for e in entries]
             clip = float(grad_scale[1]) if grad_scale is not None else 1.0
             native.adamw(self._native, params, grads, exp_avgs, exp_avg_sqs, stages, scalars, clip,
                          bool(hyper["maximize"]), torch.get_num_threads())
@@ -525,8 +522,7 @@ class HostAdamW(torch.optim.Optimizer):
                 for step, p, g, m, v, e in zip(steps, params, grads, exp_avgs, exp_avg_sqs, entries):
                     on_dev = kept is not None and e.offset in kept
                     flats = [t.detach().reshape(-1) for t in (p, kept[e.offset] if on_dev else g, m, v)]
-                    stage = (staging[e.offset : e.offset + e.numel]
-                             if staging is not None and e.wire != torch.float32 else None)
+                    stage = _stage_of(staging, e)
                     for lo in range(0, e.numel, DEVICE_UPDATE_CHUNK):
                         hi = min(lo + DEVICE_UPDATE_CHUNK, e.numel)
                         if batch and size + hi - lo > DEVICE_UPDATE_CHUNK:
@@ -587,6 +583,16 @@ class HostAdamW(torch.optim.Optimizer):
         if self._device_worker is not None and self._device_worker.is_alive():
             self._device_jobs.put(None)
             self._device_worker.join(timeout=60)
+
+
+def _stage_of(staging: torch.Tensor | None, e: Entry) -> torch.Tensor | None:
+    """Entry ``e``'s slice of its unit's compute-dtype staging copy (None: no copy, or sent in fp32)."""
+    return staging[e.offset : e.offset + e.numel] if staging is not None and e.wire != torch.float32 else None
+
+
+def _numel(work: list) -> int:
+    """Elements a unit's job updates (its snapshots' parameters)."""
+    return sum(p.numel() for w in work for p in w[1])
 
 
 def _apply_clip(grads: list[torch.Tensor], grad_scale) -> torch.Tensor | None:

@@ -118,6 +118,11 @@ def _cuda_index() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def profiled_step(args: argparse.Namespace) -> int:
+    """--profile: the step recorded, the second after the measured ones (the first starts the recording)."""
+    return args.warmup_steps + args.steps + 2
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Build, train, measure. Raises on any failure (classified by :func:`main`)."""
     import torch
@@ -137,7 +142,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             targs = training_arguments(
                 args.system, output_dir=tmp, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
-                max_steps=args.warmup_steps + args.steps + 2 * int(args.profile), bf16=args.dtype == "bf16", use_cpu=not cuda, seed=args.seed,
+                max_steps=profiled_step(args) if args.profile else args.warmup_steps + args.steps,
+                bf16=args.dtype == "bf16", use_cpu=not cuda, seed=args.seed,
             )  # before the model: under ZeRO-3, from_config then builds it partitioned (zero.Init)
             # ZeRO-3 builds partitioned under zero.Init (its own device handling); others on the GPU
             init_device = "cuda" if cuda and args.system != "deepspeed" else "cpu"
@@ -154,7 +160,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             timer, check = StepTimer(cuda_sync=cuda), SystemCheck(args.system)
             callbacks = [timer, check, PhaseMarks(sampler), *extra_callbacks(args.system)]
             if args.profile:  # a Chrome trace of one extra step, beside the JSON
-                callbacks.append(StepProfiler(args.warmup_steps + args.steps + 2, f"{args.json_out}.trace.json"))
+                callbacks.append(StepProfiler(profiled_step(args), f"{args.json_out}.trace.json"))
             t1 = time.perf_counter()
             trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
             check.trainer = trainer
@@ -173,7 +179,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     result["system_check"] = check.facts
     result["attn_implementation"] = attn
     if args.profile:
-        result["profiled_step"] = args.warmup_steps + args.steps + 2
+        result["profiled_step"] = profiled_step(args)
         result["profile_note"] = "the memory peaks include the two steps run for the profile"
     return result
 
