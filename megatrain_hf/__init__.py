@@ -1,8 +1,8 @@
 """megatrain_hf: full fine-tuning of models larger than the GPU, from the HF Trainer, by one flag.
 
 Host RAM holds every trainable tensor (fp32 masters, gradients, AdamW state); the GPU computes
-one streamed layer at a time. ``import megatrain_hf`` needs neither CUDA nor transformers: the
-Trainer/Accelerate integrations load on first use.
+one streamed layer at a time. ``import megatrain_hf`` needs neither CUDA nor transformers' Trainer:
+the Trainer/Accelerate integrations load on first use.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from importlib import import_module
 from typing import Any
 
 from .config import MegaTrainConfig
-from .engine import Engine, EngineStats, attach, engine_of
+from .engine import Engine, attach, engine_of
+from .stats import EngineStats
 
 __version__ = "0.1.0"
 
@@ -20,8 +21,8 @@ _LAZY = {
     "enable": "megatrain_hf.integrations.trainer",
     "disable": "megatrain_hf.integrations.trainer",
     "MegaTrainAccelerator": "megatrain_hf.integrations.accelerate",
-    "HostAdamW": "megatrain_hf.optimizer",
-    "register_family": "megatrain_hf.adapters",
+    "HostAdamW": "megatrain_hf.optim.host_adamw",
+    "register_family": "megatrain_hf.hf.families",
 }
 
 __all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "__version__", *_LAZY]

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if command == "launch":
             return launch(rest)
         if command == "estimate":
-            from .memory import estimate_main
+            from .memory.cli import estimate_main
 
             return estimate_main(rest)
         from .bench import main as bench_main

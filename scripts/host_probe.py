@@ -47,7 +47,7 @@ for threads in (torch.get_num_threads(), len(os.sched_getaffinity(0))):
 # against megatrain's native kernel (1 pass), on the same tensors.
 import math  # noqa: E402
 
-from megatrain_hf import native  # noqa: E402
+from megatrain_hf.optim import native  # noqa: E402
 
 lib = native.host_adamw()
 stages = [torch.empty(n // 8, dtype=torch.bfloat16) for _ in range(8)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import transformers
 from torch.utils.data import Dataset
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 VOCAB = 128
 SEQ = 16
@@ -104,6 +104,16 @@ class LossRecorder:
         loss = getattr(output, "loss", None)
         if loss is not None and module.training:
             self.losses.append(loss.detach().float().item())
+
+
+class LogRecorder(TrainerCallback):
+    """Every log dict the reporters receive (after megatrain added its metrics)."""
+
+    def __init__(self) -> None:
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
 
 
 def train(model, args, callbacks=None, plugins=None, dataset=None, eval_dataset=None, resume=None, **trainer_kwargs):

@@ -231,7 +231,7 @@ def test_link_bytes_count_the_device_updates_state():
     """device_update moves optimizer state over the link: counted in the engine's stats (reset with
     the rest) and in the bench's link bytes."""
     from megatrain_hf.bench.worker import link_bytes
-    from megatrain_hf.engine import EngineStats
+    from megatrain_hf.stats import EngineStats
 
     stats = EngineStats(h2d_bytes=100, d2h_bytes=10, update_h2d_bytes=1000, update_d2h_bytes=2000)
     counters = {k: v for k, v in vars(stats).items() if not k.startswith("_")}

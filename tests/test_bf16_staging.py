@@ -44,7 +44,7 @@ def test_stale_staging_would_be_caught(tmp_path):
     ref = tiny_model("llama")
     _, ref_losses = train(ref, training_args(tmp_path / "ref", bf16=True))
     plugin = MegaTrainPlugin(MegaTrainConfig(compute_dtype="auto"))
-    from megatrain_hf.store import HostStore
+    from megatrain_hf.core.store import HostStore
 
     original = HostStore.stage
     first = {}

@@ -21,7 +21,7 @@ from helpers import (
     training_args,
 )
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach, engine_of
-from megatrain_hf.integrations.trainer import Trainer
+from transformers import Trainer
 
 
 def _batch(n: int = 4) -> dict:
@@ -130,9 +130,11 @@ def test_config_rejects_bad_chunk(bad):
 def test_unknown_logit_post_processing_keeps_hf_loss(monkeypatch, caplog):
     """A family not known to compute logits as lm_head(hidden) [+ soft-capping] keeps HF's loss
     (register_family(..., chunked_loss=False) is the default for new families)."""
-    from megatrain_hf import adapters
+    import dataclasses
 
-    monkeypatch.setattr(adapters, "CHUNKED_LOSS_FAMILIES", adapters.CHUNKED_LOSS_FAMILIES - {"llama"})
+    from megatrain_hf.hf import families
+
+    monkeypatch.setitem(families.FAMILIES, "llama", dataclasses.replace(families.FAMILIES["llama"], chunked_loss=False))
     model = tiny_model("llama")
     with caplog.at_level("WARNING", logger="megatrain_hf.engine"):
         engine = attach(model, MegaTrainConfig(chunked_loss=True), device="cpu")

@@ -5,12 +5,16 @@ results are bitwise those of torch's AdamW."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from transformers import TrainerCallback
 
-from helpers import assert_close_losses, state_of, tiny_model, train, training_args
-from megatrain_hf import HostAdamW, MegaTrainPlugin, attach, engine_of
+from helpers import LogRecorder, assert_close_losses, state_of, tiny_model, train, training_args
+from megatrain_hf import MegaTrainPlugin, attach, engine_of
+from megatrain_hf.optim.device_update import DeviceShareAdamW
+from megatrain_hf.optim.kernels import UnitJob
 
 
 def _groups(model):
@@ -28,7 +32,7 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
     import threading
     import time
 
-    import megatrain_hf.optimizer as optimizer_module
+    import megatrain_hf.optim.device_update as optimizer_module
 
     if chunk is not None:  # tensors of the tiny model go up in several pieces (a multiple of 16 elements)
         monkeypatch.setattr(optimizer_module, "DEVICE_UPDATE_CHUNK", chunk)
@@ -37,23 +41,23 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
                                                                                        intermediate_size=200)]
     engine = attach(models[1], device="cpu", config=None, bf16=True)  # bf16: a staging copy exists
     ref_opt = torch.optim.AdamW(_groups(models[0]), lr=3e-3, betas=(0.9, 0.95), eps=1e-7, fused=True)
-    opt = HostAdamW(_groups(models[1]), store=engine.store, lr=3e-3, betas=(0.9, 0.95), eps=1e-7, kernel="torch",
-                    device_update=True)
+    opt = DeviceShareAdamW(_groups(models[1]), store=engine.store, lr=3e-3, betas=(0.9, 0.95), eps=1e-7,
+                           kernel="torch")
     on_device, on_host = [], []
-    run_on_device, run_job = opt._run_on_device, opt._run_job
+    run_on_device, run_job = opt._update_on_device, opt._run
     both_started = threading.Barrier(2, timeout=20)  # each end takes its first unit before either goes on
 
-    def device(u, work, kept):
-        on_device.append(u)
-        run_on_device(u, work, kept)
+    def device(job, kept):
+        on_device.append(job.unit)
+        run_on_device(job, kept)
 
     def host_or_device(job, on_device=False):
         if not on_device:
-            on_host.append(job[0])
+            on_host.append(job.unit)
         if len(on_host if not on_device else on_device_seen) == (1 if not on_device else 0):
             both_started.wait()
         if on_device:
-            on_device_seen.append(job[0])
+            on_device_seen.append(job.unit)
         time.sleep(0.01)
         run_job(job, on_device)
 
@@ -64,11 +68,11 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
 
     def record_assignment(jobs):
         device_jobs, host_jobs = assign(jobs)
-        assigned.append(([u for u, *_ in device_jobs], [u for u, *_ in host_jobs]))
+        assigned.append(([j.unit for j in device_jobs], [j.unit for j in host_jobs]))
         return device_jobs, host_jobs
 
-    monkeypatch.setattr(opt, "_run_on_device", device)
-    monkeypatch.setattr(opt, "_run_job", host_or_device)
+    monkeypatch.setattr(opt, "_update_on_device", device)
+    monkeypatch.setattr(opt, "_run", host_or_device)
     monkeypatch.setattr(opt, "_assign", record_assignment)
     for step in range(4):
         torch.manual_seed(step)
@@ -125,16 +129,16 @@ def test_assignment_follows_the_measured_rates(rates, pattern):
     rates (elements per second): equal rates alternate; a host twice as fast takes two in three."""
     model = tiny_model("llama")
     engine = attach(model, device="cpu")
-    opt = HostAdamW(_groups(model), store=engine.store, device_update=True)
+    opt = DeviceShareAdamW(_groups(model), store=engine.store)
     try:
         host_rate, device_rate = rates
         opt._rates = {"host": [int(host_rate * 1000), 1.0], "device": [int(device_rate * 1000), 1.0]}
-        jobs = [(u, [(None, [torch.empty(10)])], None) for u in range(6)]
+        jobs = [UnitJob(u, [types.SimpleNamespace(numel=10)]) for u in range(6)]
         device_jobs, host_jobs = opt._assign(jobs)
-        got = "".join("D" if any(j[0] == u for j in device_jobs) else "H" for u in range(6))
+        got = "".join("D" if any(j.unit == u for j in device_jobs) else "H" for u in range(6))
         assert got == pattern
-        assert [j[0] for j in host_jobs] == sorted(j[0] for j in host_jobs)  # both in forward order
-        assert [j[0] for j in device_jobs] == sorted(j[0] for j in device_jobs)
+        assert [j.unit for j in host_jobs] == sorted(j.unit for j in host_jobs)  # both in forward order
+        assert [j.unit for j in device_jobs] == sorted(j.unit for j in device_jobs)
     finally:
         opt.close()
         engine.detach()
@@ -148,11 +152,12 @@ def test_trainer_with_device_update_equals_plain_trainer(tmp_path, accumulation)
     ref_model = tiny_model("llama")
     _, ref_losses = train(ref_model, training_args(tmp_path / "ref", **args))
     model = tiny_model("llama")
+    logs = LogRecorder()
     trainer, losses = train(model, training_args(tmp_path / "mt", **args),
-                            callbacks=[MegaTrainPlugin(device_update=True)])
+                            callbacks=[MegaTrainPlugin(device_update=True, metrics="all"), logs])
     optimizer = trainer.optimizer.optimizer
-    assert optimizer.device_update and optimizer.kept_grad_units > 0
-    assert any("megatrain/update_device_frac" in h for h in trainer.state.log_history)
+    assert isinstance(optimizer, DeviceShareAdamW) and optimizer.kept_grad_units > 0
+    assert any("megatrain/update_device_frac" in h for h in logs.logs)
     assert_close_losses(ref_losses, losses, 0.0)
     ref, got = state_of(ref_model), state_of(model)
     assert all(torch.equal(ref[n], got[n]) for n in ref)
@@ -188,12 +193,3 @@ def test_device_update_reads_gradients_edited_after_backward(tmp_path):
     (ref_losses, ref), (losses, got) = results
     assert_close_losses(ref_losses, losses, 0.0)
     assert all(torch.equal(ref[n], got[n]) for n in ref)
-
-
-def test_synchronous_optimizer_closes():
-    model = tiny_model("llama")
-    engine = attach(model, device="cpu")
-    opt = HostAdamW(_groups(model), store=engine.store, asynchronous=False, device_update=True)
-    assert not opt.device_update  # nothing runs in the background: the host does every unit
-    opt.close()
-    engine.detach()

@@ -44,7 +44,7 @@ def test_dropped_model_is_freed():
 def test_failed_backward_does_not_poison_the_next_one():
     model = tiny_model("llama")
     engine = attach(model, device="cpu")
-    original = engine._recompute_backward
+    original = engine.runner.recompute_backward
     calls = {"n": 0}
 
     def failing(call, x, grad_out):
@@ -53,11 +53,11 @@ def test_failed_backward_does_not_poison_the_next_one():
             raise RuntimeError("injected failure")
         return original(call, x, grad_out)
 
-    engine._recompute_backward = failing
+    engine.runner.recompute_backward = failing
     with pytest.raises(RuntimeError, match="injected failure"):
         _loss(model).backward()
-    engine._recompute_backward = original
-    assert engine._end_queued is None
+    engine.runner.recompute_backward = original
+    assert not engine.runner.backward_pending
     model.zero_grad()
     _loss(model).backward()  # a clean pass afterwards gives the plain gradients
     ref = tiny_model("llama")
@@ -89,7 +89,7 @@ def test_load_state_dict_restages_bf16_copy():
 def test_pinned_flats_register_whole_pages_of_their_own(monkeypatch):
     """cudaHostRegister refuses a range that shares a page with one already registered (error 712,
     seen on the H200 with a tiny model's 1 KiB norm flats): each pinned flat gets pages of its own."""
-    from megatrain_hf.store import _PAGE, HostStore
+    from megatrain_hf.core.store import PAGE_BYTES as _PAGE, HostStore
 
     registered: list[tuple[int, int]] = []
 
@@ -115,7 +115,7 @@ def test_pinned_flats_register_whole_pages_of_their_own(monkeypatch):
 def test_store_unpins_its_flats_when_collected(monkeypatch):
     """A store dropped without release() (a model never detached) must unregister its memory before
     malloc can hand it out again; the next registration of those pages would fail (error 712)."""
-    from megatrain_hf.store import HostStore
+    from megatrain_hf.core.store import HostStore
 
     live: dict[int, int] = {}
 
@@ -130,8 +130,7 @@ def test_store_unpins_its_flats_when_collected(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
     model = tiny_model("llama")
-    store = HostStore(list(model.named_children())[:1], compute_dtype=torch.bfloat16,
-                      device=torch.device("cpu"), pin=True)
+    store = HostStore(list(model.named_children())[:1], compute_dtype=torch.bfloat16, pin=True)
     assert live
     del store
     gc.collect()
@@ -156,63 +155,34 @@ def test_backward_failing_outside_the_engine_does_not_disarm_the_next_one():
         model(input_ids=ids, labels=ids).loss.backward()
     fail[0] = False
     ran = []
-    original = engine._backward_done
-    engine._backward_done = lambda: (ran.append(1), original())
+    original = engine.runner.backward_done
+    engine.runner.backward_done = lambda: (ran.append(1), original())
     model.zero_grad()
     model(input_ids=ids, labels=ids).loss.backward()
-    assert ran and engine._end_queued is None
+    assert ran and not engine.runner.backward_pending
 
 
-def test_gradient_round_trip_logic_on_an_emulated_grad_stream():
-    """The CUDA gradient pipeline's bookkeeping, with the grad stream emulated on the CPU: its
-    transfers run in order at once, the worker sees them land late. A unit sent twice before the
-    worker caught up sums both contributions (the second adds to the first instead of copying
-    over it), and the norms cached for clipping are those of the final gradients."""
-    import queue
-    import time
-
-    from megatrain_hf.workers import start_worker
+def test_gradient_round_trip_on_an_emulated_grad_stream():
+    """The CUDA gradient pipeline itself (GradSink with streams), on the CPU: copies run at once, their
+    events complete late, so the worker sees them land after the next send was queued. A unit sent
+    twice before the worker caught up sums both contributions (the second adds to the first instead
+    of copying over it), and the norms cached for clipping are those of the final gradients."""
+    from megatrain_hf.core.layout import Kind
+    from megatrain_hf.core.streams import EmulatedStreams
 
     model = tiny_model("llama")
-    engine = attach(model, device="cpu")
+    engine = attach(model, device="cpu", streams=EmulatedStreams(latency_s=0.05))
     sink = engine.grads
-
-    class LateEvent:
-        def synchronize(self):
-            time.sleep(0.05)
-
-        def elapsed_time(self, other):
-            return 0.0
-
-    def copy_down(fresh, added, grad_host, gpu_norms):  # the real one's arithmetic, synchronous
-        sums = []
-        for e, g in added:
-            region = grad_host[e.offset : e.offset + e.numel]
-            region.copy_(region + g.reshape(-1).float())
-            sums.append((e, region.clone()))
-        for e, g in fresh:
-            grad_host[e.offset : e.offset + e.numel].copy_(g.reshape(-1).float())
-            sums.append((e, g.reshape(-1).float()))
-        norms = torch.stack(torch._foreach_norm([t for _, t in sums], 2)) if gpu_norms else None
-        return LateEvent(), LateEvent(), norms, sums
-
-    sink._jobs = queue.Queue()
-    sink._copy_down = copy_down
-    sink._worker = start_worker(sink, sink._jobs, "_process", 1, "emulated-grads")
     try:
         u = 1
-        entries = [e for e in engine.store.entries[u] if e.kind == "trainable"]
-        ones = [torch.ones_like(e.tensor) for e in entries]
-        twos = [2 * torch.ones_like(e.tensor) for e in entries]
-        sink.submit(u, entries, ones)
-        sink.submit(u, entries, twos)  # before the worker saw the first land
+        entries = engine.store.entries_of(u, Kind.TRAINABLE)
+        sink.submit(u, entries, [torch.ones_like(e.tensor) for e in entries])
+        sink.submit(u, entries, [2 * torch.ones_like(e.tensor) for e in entries])  # before the first landed
         sink.wait()
         assert {float(v) for e in entries for v in e.tensor.grad.unique()} == {3.0}
         expected = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(e.tensor.grad) for e in entries]))
         cached_key, cached = sink.norms[u]
-        assert cached_key == sink._grad_key(u)
+        assert cached_key == sink.grad_key(u)
         assert torch.allclose(torch.linalg.vector_norm(torch.stack(cached)), expected)
     finally:
-        sink.close()
-        sink._worker = None
         engine.detach()

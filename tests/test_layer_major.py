@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from megatrain_hf.memory.budget import BUDGET_MARGIN
 from helpers import (
     FAMILY_CONFIGS,
     RandomTokens,
@@ -30,7 +31,7 @@ from helpers import (
     training_args,
 )
 from megatrain_hf import Engine, MegaTrainPlugin, attach, engine_of
-from megatrain_hf.integrations.trainer import Trainer
+from transformers import Trainer
 
 ATOL = 1e-6
 ATOL_PARAMS = 5e-6  # 3+ micro-batches: sums at the head may add in another order (see above)
@@ -130,7 +131,7 @@ def test_auto_keeps_plain_order_with_dropout(tmp_path, group_calls, caplog):
     with caplog.at_level("INFO", logger="megatrain_hf.integrations.trainer"):
         _, losses = train(model, training_args(tmp_path / "mt"), callbacks=[MegaTrainPlugin()])
     assert group_calls == []
-    assert "active dropout" in caplog.text and "self_attn.attention_dropout" in caplog.text
+    assert "has dropout" in caplog.text and "self_attn.attention_dropout" in caplog.text
     assert_close_losses(ref_losses, losses, ATOL)
     assert_close_params(state_of(ref_model), state_of(model), ATOL)
 
@@ -199,7 +200,7 @@ def test_error_in_a_micro_batch_is_raised_and_nothing_hangs(tmp_path, error):
         trainer.train()
     assert not _microbatch_threads()
     engine = engine_of(model)
-    assert engine._group is None and engine.grads._pending_calls is None
+    assert engine.runner.group is None and not engine.grads.in_group
     # the engine still trains afterwards
     trainer.fail_at = -1
     trainer.train()
@@ -214,10 +215,20 @@ class _DirectBackwardTrainer(Trainer):
 
 
 def test_direct_backward_inside_a_group_is_refused(tmp_path):
-    trainer, _ = _trainer(_DirectBackwardTrainer, tmp_path, 2)
+    trainer, _ = _trainer(_DirectBackwardTrainer, tmp_path, 2, layer_major=True)
     with pytest.raises(RuntimeError, match=r"accelerator\.backward\(loss\).*layer_major=False"):
         trainer.train()
     assert not _microbatch_threads()
+
+
+def test_auto_runs_an_overridden_training_step_micro_batch_by_micro_batch(tmp_path, caplog):
+    """A Trainer subclass's own training_step may keep state across calls (TRL's GRPO counts them):
+    under layer_major="auto" it runs in plain Trainer's order, logged with the reason."""
+    trainer, _ = _trainer(_DirectBackwardTrainer, tmp_path, 2)
+    with caplog.at_level("INFO", logger="megatrain_hf"):
+        trainer.train()
+    assert trainer.state.global_step == 6
+    assert "_DirectBackwardTrainer.training_step may keep state across micro-batches" in caplog.text
 
 
 def test_direct_backward_works_with_layer_major_off(tmp_path):
@@ -254,12 +265,12 @@ def test_gpu_budget_sizes_the_groups(tmp_path, group_calls, budget, expected):
     many per group as the budget allows (the GPU peak is simulated here: CPU)."""
     trainer, model = _trainer(Trainer, tmp_path, 4, max_gpu_memory="1GiB", offload_checkpoints=False)
     engine = engine_of(model)
-    engine.gpu_budget, engine._peak_source = budget, lambda: 5_000
+    engine.budget.budget, engine.budget.peak_source = budget, lambda: 5_000
     trainer.train()
     # step 1 one at a time, step 2 at most two (second measurement), then what fits
     assert group_calls == [1] * 4 + [min(2, expected)] * (4 // min(2, expected)) + [expected] * (4 * 4 // expected)
-    assert engine.in_flight == expected
-    assert engine._per_microbatch == sum(  # every graph call's checkpoint: token ids (int64), then fp32 hidden states
+    assert engine.budget.in_flight == expected
+    assert engine.budget.per_microbatch_bytes == sum(  # every graph call's checkpoint: token ids (int64), then fp32 hidden states
         16 * 2 * (8 if u == 0 else 4 * 64) for u in range(len(engine.units))
     )
 
@@ -273,10 +284,10 @@ def test_gpu_budget_keeps_exactness(tmp_path):
                       callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB", offload_checkpoints=False)])
     engine = engine_of(model)
     per_microbatch = 16 * 2 * 8 + 16 * 2 * 4 * 64 * (len(engine.units) - 1)
-    engine.gpu_budget = int((1000 + 2.5 * per_microbatch) / engine._BUDGET_MARGIN)
-    engine._peak_source = lambda: 1000 + (engine.in_flight or 1) * per_microbatch  # a GPU where 2 fit
+    engine.budget.budget = int((1000 + 2.5 * per_microbatch) / BUDGET_MARGIN)
+    engine.budget.peak_source = lambda: 1000 + (engine.budget.in_flight or 1) * per_microbatch  # a GPU where 2 fit
     trainer.train()
-    assert engine.in_flight == 2  # 4 micro-batches per step, as 2 groups of 2
+    assert engine.budget.in_flight == 2  # 4 micro-batches per step, as 2 groups of 2
     assert_close_params(state_of(ref), state_of(model), ATOL_PARAMS)
 
 
@@ -290,12 +301,12 @@ def test_gpu_budget_measures_per_microbatch_growth_and_frozen_embeddings(tmp_pat
                       train_dataset=RandomTokens(), callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB", offload_checkpoints=False)])
     engine = engine_of(model)
     ckpt = 16 * 2 * 4 * 64 * (len(engine.units) - 1)  # per micro-batch; unit 0 (frozen) saves nothing
-    engine.gpu_budget = int((10_000 + 7 * ckpt) / engine._BUDGET_MARGIN)  # fits 2 of the real growth, 6 of the naive
-    engine._peak_source = lambda: 10_000 + 3 * ckpt * (engine.in_flight or 1)
+    engine.budget.budget = int((10_000 + 7 * ckpt) / BUDGET_MARGIN)  # fits 2 of the real growth, 6 of the naive
+    engine.budget.peak_source = lambda: 10_000 + 3 * ckpt * (engine.budget.in_flight or 1)
     trainer.train()
-    assert engine._per_microbatch == ckpt
+    assert engine.budget.per_microbatch_bytes == ckpt
     assert group_calls == [1] * 4 + [2] * 2 + [2] * 8
-    assert engine.in_flight == 2
+    assert engine.budget.in_flight == 2
 
 
 def test_gpu_budget_after_a_one_microbatch_step(tmp_path, group_calls):
@@ -308,8 +319,8 @@ def test_gpu_budget_after_a_one_microbatch_step(tmp_path, group_calls):
                       callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB", offload_checkpoints=False)])
     engine = engine_of(model)
     per = 16 * 2 * 8 + 16 * 2 * 4 * 64 * (len(engine.units) - 1)
-    engine.gpu_budget = int((1000 + 2.5 * per) / engine._BUDGET_MARGIN)  # 2 fit, 3 do not
-    engine._peak_source = lambda: 1000 + (engine.in_flight or 1) * per
+    engine.budget.budget = int((1000 + 2.5 * per) / BUDGET_MARGIN)  # 2 fit, 3 do not
+    engine.budget.peak_source = lambda: 1000 + (engine.budget.in_flight or 1) * per
     trainer.train()
     assert max(group_calls) == 2
 
@@ -371,7 +382,7 @@ def test_saved_tensor_hooks_apply_to_streamed_checkpoints():
 def test_ctrl_c_while_starting_the_coroutines():
     import signal
 
-    from megatrain_hf import layer_major
+    from megatrain_hf.runtime import layer_major
 
     def first():
         signal.raise_signal(signal.SIGINT)
@@ -432,7 +443,7 @@ def test_trl_fused_lm_head_runs_in_the_head_unit(tmp_path, monkeypatch, accumula
     from megatrain_hf.integrations import trl as megatrain_trl
 
     _, ref, ref_losses = _trl_run(tmp_path / "ref", [], accumulation)
-    run_job = HostAdamW._run_job
+    run_job = HostAdamW._update
 
     def slow_update(self, job, on_device=False):
         time.sleep(0.05)  # the next forward must wait for it; a read that does not sees old weights
@@ -440,7 +451,7 @@ def test_trl_fused_lm_head_runs_in_the_head_unit(tmp_path, monkeypatch, accumula
 
     served = []
     forward = megatrain_trl.FusedLogProbs.forward
-    monkeypatch.setattr(HostAdamW, "_run_job", slow_update)
+    monkeypatch.setattr(HostAdamW, "_update", slow_update)
     monkeypatch.setattr(megatrain_trl.FusedLogProbs, "forward", lambda self, *a: served.append(1) or forward(self, *a))
     trainer, model, losses = _trl_run(tmp_path / "mt", [MegaTrainPlugin()], accumulation)
     assert len(served) == 3 * accumulation  # every micro-batch's head ran in the engine's head unit

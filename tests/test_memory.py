@@ -10,13 +10,14 @@ import torch
 import transformers
 
 from helpers import FAMILY_CONFIGS, tiny_model
-from megatrain_hf import memory, store
+from megatrain_hf import memory
+from megatrain_hf.core import store
+from megatrain_hf.memory.cli import estimate_main
 from megatrain_hf.memory import (
     GiB,
     PRESETS,
     ModelShape,
     check_host_memory,
-    estimate_main,
     host_breakdown_for_units,
     largest_model,
     largest_preset,
@@ -52,7 +53,7 @@ def _units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 def _store_tiers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
     """Bytes the real HostStore allocates (+ HostAdamW's two moments, same numel as the masters)."""
-    hs = store.HostStore(_units(model), compute_dtype=dtype, device=torch.device("cpu"), pin=False,
+    hs = store.HostStore(_units(model), compute_dtype=dtype, pin=False,
                          embedding_units=frozenset({0}))
     staging = sum(b.staging_host.numel() * b.staging_host.element_size() for b in hs.buffers
                   if b.staging_host is not None)
@@ -110,10 +111,6 @@ def test_from_hf_config_nested_text_config_and_moe_refused():
 
 
 # ------------------------------------------------------------------------------------ host plan
-def test_alignment_matches_the_store():
-    assert memory._ALIGN_ELEMS == store._ALIGN_ELEMS
-
-
 @pytest.mark.parametrize("kw", [TINY_KW, ODD_KW], ids=["tiny", "odd-sizes"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_host_plan_is_exact_against_the_real_store(kw, dtype):
@@ -305,7 +302,7 @@ def test_estimate_main_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_estimate_writes_a_chart(tmp_path, capsys):
-    from megatrain_hf.memory import estimate_main
+    from megatrain_hf.memory.cli import estimate_main
 
     path = tmp_path / "plan.png"
     assert estimate_main(["--model", "llama-7b", "--chart", str(path)]) == 0

@@ -14,7 +14,7 @@ import torch
 
 from helpers import assert_close_losses, assert_close_params, state_of, tiny_model, train, training_args
 from megatrain_hf import HostAdamW, MegaTrainPlugin, attach, engine_of
-from megatrain_hf import native
+from megatrain_hf.optim import native
 
 pytestmark = pytest.mark.skipif(native.host_adamw() is None, reason="no C++ compiler to build the kernel")
 

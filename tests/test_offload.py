@@ -13,6 +13,7 @@ import gc
 import pytest
 import torch
 
+from megatrain_hf.memory.budget import BUDGET_MARGIN
 from helpers import (
     assert_close_losses,
     assert_close_params,
@@ -43,7 +44,7 @@ def test_offload_trains_bit_for_bit_like_no_offload(tmp_path, layer_major):
     _equal_states(state_of(ref), state_of(model))
     engine = engine_of(model)
     assert engine.offload is not None and engine.offload.pool_bytes > 0
-    assert engine._ckpt_bytes == 0  # nothing counted as kept on the device
+    assert engine.budget.kept_checkpoint_bytes == 0  # nothing counted as kept on the device
 
 
 def test_offload_layer_major_four_microbatches_matches_plain_trainer(tmp_path):
@@ -60,7 +61,7 @@ def test_offload_layer_major_four_microbatches_matches_plain_trainer(tmp_path):
 def test_groups_shrink_to_what_host_ram_holds(tmp_path, monkeypatch):
     """Step 1 runs one micro-batch at a time and measures its checkpoints on the host; later steps
     run as many per layer-major group as the pool plus the free RAM hold (here: 2 of 4)."""
-    import megatrain_hf.memory as memory
+    import megatrain_hf.memory.host as memory
 
     args = dict(gradient_accumulation_steps=4)
     ref = tiny_model("llama", attention_dropout=0.0)
@@ -70,16 +71,16 @@ def test_groups_shrink_to_what_host_ram_holds(tmp_path, monkeypatch):
 
     def available() -> int:
         engine = engine_of(model)
-        if engine is None or engine._offload_per_token is None:
+        if engine is None or engine.budget.offload_bytes_per_token is None:
             return 1 << 40
-        per = int(engine._offload_per_token * engine._microbatch_tokens)
+        per = int(engine.budget.offload_bytes_per_token * engine.budget.microbatch_tokens)
         return memory.DEFAULT_HEADROOM_BYTES + 2 * per - engine.offload.pool_bytes
 
     monkeypatch.setattr(memory, "available_host_bytes", available)
     original = MegaTrainPlugin.on_step_end
 
     def record(self, args, state, control, **kwargs):
-        seen.append(engine_of(model).in_flight)
+        seen.append(engine_of(model).budget.in_flight)
         return original(self, args, state, control, **kwargs)
 
     monkeypatch.setattr(MegaTrainPlugin, "on_step_end", record)
@@ -198,7 +199,7 @@ def test_auto_offload_when_the_gpu_budget_is_short(tmp_path, monkeypatch):
     measures again (one, then two at a time) and then runs all 4 per group; training stays exact
     (GPU peaks simulated on the CPU)."""
     from megatrain_hf import Engine
-    from megatrain_hf.integrations.trainer import Trainer
+    from transformers import Trainer
     from helpers import RandomTokens
 
     groups = []
@@ -212,9 +213,9 @@ def test_auto_offload_when_the_gpu_budget_is_short(tmp_path, monkeypatch):
                       callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB", offload_checkpoints="auto")])
     engine = engine_of(model)
     per = 16 * 2 * 8 + 16 * 2 * 4 * 64 * (len(engine.units) - 1)
-    engine.gpu_budget = int((1000 + 2.5 * per) / engine._BUDGET_MARGIN)  # 2 fit with the checkpoints kept
+    engine.budget.budget = int((1000 + 2.5 * per) / BUDGET_MARGIN)  # 2 fit with the checkpoints kept
     # kept: each micro-batch in flight adds its checkpoints; offloaded: a tenth of that
-    engine._peak_source = lambda: 1000 + (engine.in_flight or 1) * (per if engine.offload is None else per // 10)
+    engine.budget.peak_source = lambda: 1000 + (engine.budget.in_flight or 1) * (per if engine.offload is None else per // 10)
     trainer.train()
     assert engine.offload is not None and engine.offload.pool_bytes > 0
     # step 1 measures (one at a time): 2 of 4 fit -> offload; measure again (1, then 2); then all 4
@@ -225,7 +226,7 @@ def test_auto_offload_when_the_gpu_budget_is_short(tmp_path, monkeypatch):
 def test_auto_keeps_checkpoints_on_the_gpu_when_offloading_would_not_help(tmp_path, monkeypatch):
     """The growth per micro-batch is mostly not checkpoints (here 10x them, e.g. full logits):
     offloading them would not let more micro-batches in, so "auto" leaves them on the GPU."""
-    from megatrain_hf.integrations.trainer import Trainer
+    from transformers import Trainer
     from helpers import RandomTokens
 
     model = tiny_model("llama", attention_dropout=0.0)
@@ -233,7 +234,7 @@ def test_auto_keeps_checkpoints_on_the_gpu_when_offloading_would_not_help(tmp_pa
                       train_dataset=RandomTokens(), callbacks=[MegaTrainPlugin(max_gpu_memory="1GiB")])
     engine = engine_of(model)
     ckpt = 16 * 2 * 8 + 16 * 2 * 4 * 64 * (len(engine.units) - 1)
-    engine.gpu_budget = int((1000 + 25 * ckpt) / engine._BUDGET_MARGIN)  # 2 fit; 2 would fit without checkpoints too
-    engine._peak_source = lambda: 1000 + (engine.in_flight or 1) * 10 * ckpt
+    engine.budget.budget = int((1000 + 25 * ckpt) / BUDGET_MARGIN)  # 2 fit; 2 would fit without checkpoints too
+    engine.budget.peak_source = lambda: 1000 + (engine.budget.in_flight or 1) * 10 * ckpt
     trainer.train()
-    assert engine.offload is None and engine.in_flight == 2
+    assert engine.offload is None and engine.budget.in_flight == 2

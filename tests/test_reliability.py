@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import (
+    LogRecorder,
     RandomTokens,
     assert_close_losses,
     assert_close_params,
@@ -346,11 +347,10 @@ def test_nan_gradient_skips_the_step(tmp_path, caplog, max_grad_norm):
     nan_call = 5  # first micro-batch of optimizer step 3 (two micro-batches per step)
     model = tiny_model("llama")
     _NanAtCall(model, nan_call)
-    snaps = _Snapshots(model)
+    snaps, logs = _Snapshots(model), LogRecorder()
     with caplog.at_level("WARNING", logger="megatrain_hf"):
-        trainer, _ = train(
-            model, training_args(tmp_path / "mt", max_grad_norm=max_grad_norm), callbacks=[MegaTrainPlugin(), snaps]
-        )
+        trainer, _ = train(model, training_args(tmp_path / "mt", max_grad_norm=max_grad_norm),
+                           callbacks=[MegaTrainPlugin(metrics="all"), snaps, logs])
     assert trainer.state.global_step == 6
     for name, before in snaps.params[2].items():
         assert torch.equal(before, snaps.params[3][name]), name  # step 3 skipped: untouched
@@ -360,7 +360,7 @@ def test_nan_gradient_skips_the_step(tmp_path, caplog, max_grad_norm):
     optimizer = trainer.optimizer.optimizer
     assert optimizer.skipped_steps == 1
     assert {float(s) for counts in optimizer._steps.values() for s in counts} == {5.0}  # 6 steps, one skipped
-    logged = [h["megatrain/skipped_steps"] for h in trainer.state.log_history if "megatrain/skipped_steps" in h]
+    logged = [h["megatrain/skipped_steps"] for h in logs.logs if "megatrain/skipped_steps" in h]
     assert logged[:2] == [0.0, 0.0] and logged[2:] == [1.0] * 4
 
     # what plain Trainer + torch AdamW do with the same batch: the weights become nan
@@ -433,7 +433,7 @@ def test_dead_update_thread_does_not_hang(monkeypatch):
     def die(job):
         raise SystemExit  # ends the worker thread without running the update or releasing the unit
 
-    optimizer._serve_one = die
+    optimizer._drain = die
     optimizer.step()
     with deadline(20):
         with pytest.raises(RuntimeError, match="ended before finishing its update"):
@@ -451,7 +451,7 @@ def test_dead_update_thread_does_not_hang(monkeypatch):
 def test_gradient_queue_back_pressure_waits_and_never_hangs():
     """The CUDA gradient pipeline queues at most MAX_PENDING_SENDS units: a send waits until the
     worker finished one, and a worker that died raises instead of blocking forever."""
-    from megatrain_hf.grads import MAX_PENDING_SENDS
+    from megatrain_hf.core.grads import MAX_PENDING_SENDS
 
     engine = attach(tiny_model("llama"), device="cpu")
     sink = engine.grads

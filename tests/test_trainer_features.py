@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from helpers import (
+    LogRecorder,
     RandomTokens,
     assert_close_losses,
     assert_close_params,
@@ -111,15 +112,27 @@ def test_activation_checkpointing_flag_is_translated(tmp_path, caplog):
     assert "already checkpoints every layer" in caplog.text
 
 
-def test_engine_metrics_in_trainer_logs(tmp_path):
+@pytest.mark.parametrize("level", ["basic", "all", "none"])
+def test_engine_metrics_reach_the_reporters_at_their_level(tmp_path, level):
+    """megatrain's metrics join what the reporters receive (console, TensorBoard, W&B), at the level
+    asked for, and never the trainer_state that checkpoints keep; keys that do not apply to the
+    device (GPU memory, link traffic on a CPU) are left out."""
     model = tiny_model("llama")
-    trainer, _ = train(model, training_args(tmp_path / "mt"), callbacks=[MegaTrainPlugin()])
-    logs = [h for h in trainer.state.log_history if "loss" in h]
-    for key in ("megatrain/tokens_per_s", "megatrain/tflops", "megatrain/link_GBps", "megatrain/host_rss_GiB",
-                "megatrain/optimizer_wait_frac", "megatrain/grad_wait_frac"):
-        assert key in logs[-1], key
-    assert logs[-1]["megatrain/tokens"] == 2 * 2 * 16  # 2 micro-batches x 2 sequences x 16 tokens
+    recorder = LogRecorder()
+    trainer, _ = train(model, training_args(tmp_path / "mt"), callbacks=[MegaTrainPlugin(metrics=level), recorder])
+    logs = [h for h in recorder.logs if "loss" in h]
+    keys = {k for h in logs for k in h if k.startswith("megatrain/")}
+    basic = {"megatrain/tokens_per_s", "megatrain/tflops", "megatrain/optimizer_wait_frac", "megatrain/host_rss_GiB"}
+    assert not any(k.startswith("megatrain/") for h in trainer.state.log_history for k in h)
+    assert not any("gpu" in k or "link" in k or "h2d" in k for k in keys)  # a CPU run
+    if level == "none":
+        assert not keys
+        return
+    assert basic <= keys and (keys == basic) == (level == "basic")
     assert logs[-1]["megatrain/tflops"] > 0
+    if level == "basic":
+        return
+    assert logs[-1]["megatrain/tokens"] == 2 * 2 * 16  # 2 micro-batches x 2 sequences x 16 tokens
     assert 0 < logs[-1]["megatrain/update_frac"] and logs[-1]["megatrain/update_Gparams_per_s"] > 0
     optimizer = trainer.optimizer.optimizer  # one more update by hand: the counters cover every updated element
     optimizer.take_update_stats()

@@ -1,7 +1,7 @@
 """``MegaTrainAccelerator``: megatrain for hand-written Accelerate loops.
 
-``prepare()`` attaches the engine to every model it is given *before* Accelerate would move it
-(the engine's device map keeps Accelerate from moving it at all); everything else -- autocast,
+``prepare()`` attaches the engine to every model it is given before Accelerate would place it
+(placement of an attached model on its compute device is a no-op); everything else -- autocast,
 ``backward``, ``clip_grad_norm_``, dataloaders, schedulers -- is stock Accelerate. Optimizers
 built on ``model.parameters()`` keep working since the engine keeps the Parameter objects; for
 the per-layer host optimizer build ``HostAdamW(model.parameters(), store=engine.store, ...)``.
@@ -22,21 +22,17 @@ from torch import nn
 
 from ..config import MegaTrainConfig
 from ..engine import Engine, attach, engine_of
+from .refusals import check_precision_and_sharding
 
 
 class MegaTrainAccelerator(Accelerator):
     def __init__(self, *args: Any, megatrain_config: MegaTrainConfig | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.mixed_precision == "fp16":
-            raise ValueError(
-                "MegaTrainAccelerator(mixed_precision='fp16') is not supported (fp16 needs loss scaling of "
-                "host-resident grads). Use mixed_precision='bf16' or 'no'."
-            )
-        if self.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP):
-            raise ValueError(
-                f"megatrain and {self.distributed_type.value} both want to own the parameters; use one. "
-                "Remove the DeepSpeed/FSDP plugin or section from the accelerate config."
-            )
+        check_precision_and_sharding(
+            fp16=self.mixed_precision == "fp16",
+            deepspeed=self.distributed_type == DistributedType.DEEPSPEED,
+            fsdp=self.distributed_type.value if self.distributed_type == DistributedType.FSDP else None,
+        )
         self.megatrain_config = megatrain_config or MegaTrainConfig()
         self.engines: list[Engine] = []
 

@@ -205,6 +205,6 @@ def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
     # its __wrapped__ would let the next train() find TRL's forward under this one and adopt it again
     forward.__signature__ = inspect.signature(previous)
     forward._megatrain_fused_lm_head = True
-    engine._set_instance_attr(model, "forward", forward)
+    engine.patcher.set_attr(model, "forward", forward)
     logger.info("megatrain: TRL's fused LM head runs in the streamed head unit (%s)", engine.units[-1].name)
     return True

@@ -8,16 +8,10 @@ import sys
 
 import torch
 
-from .plan import (
-    DEFAULT_HEADROOM_BYTES,
-    GiB,
-    MemoryPlan,
-    _gib,
-    available_host_bytes,
-    largest_model,
-    largest_preset,
-    plan_memory,
-)
+from .fit import largest_model, largest_preset
+from .host import DEFAULT_HEADROOM_BYTES, GiB, available_host_bytes
+from .host import gib as _gib
+from .plan import MemoryPlan, plan_memory
 from .shapes import PRESETS, resolve_model
 
 def estimate_main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,8 @@
-"""The memory plan: host bytes per tier (exact), GPU bytes (estimate), the check before allocating, what fits."""
+"""The memory plan: host bytes per tier (exact), GPU bytes (estimate), what fits.
+
+Planned from a model's shape alone, with the host store's own layout rule (``core/layout.py``),
+so the plan and the store cannot disagree. The check before allocating is ``host.py``'s.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +11,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import psutil
 import torch
 
-from ..grads import MAX_PENDING_SENDS
-
-from ..loss import chunk_tokens as loss_chunk
-from ..store import wire_dtype
+from ..core.grads import MAX_PENDING_SENDS
+from ..core.layout import TensorSpec, aligned, host_tiers, lay_out, wire_dtype
+from ..core.layout import loss_chunk_tokens as loss_chunk
+from .host import DEFAULT_HEADROOM_BYTES, TIER_LABELS, GiB, _check_int, check_host_memory, gib
 from .shapes import PRESETS, ModelShape
 
 logger = logging.getLogger(__name__)
-
-GiB = 2**30
-
-_ALIGN_ELEMS = 16  # must match megatrain_hf.store._ALIGN_ELEMS (tests/test_memory.py checks it)
-
-DEFAULT_HEADROOM_BYTES = 2 * GiB
-"""Host RAM left free on top of the plan: the Python process, torch, the tokenizer, the data
-loader and the OS page cache need some."""
 
 GPU_RUNTIME_ALLOWANCE_BYTES = 1 * GiB
 """Fixed GPU allowance for the CUDA context, cuBLAS/cuDNN workspaces and allocator slack."""
@@ -35,24 +30,6 @@ _DTYPE_BY_NAME = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": to
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Linear layers of a Llama-style decoder layer that LoRA can adapt (PEFT's module names)."""
 
-_TIER_LABELS = {
-    "master": "fp32 master weights",
-    "grad": "fp32 gradient accumulators",
-    "exp_avg": "AdamW exp_avg (fp32)",
-    "exp_avg_sq": "AdamW exp_avg_sq (fp32)",
-    "staging": "compute-dtype staging copies",
-    "frozen": "frozen weights (wire dtype)",
-    "checkpoints": "offloaded activation checkpoints",
-}
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN_ELEMS - 1) // _ALIGN_ELEMS * _ALIGN_ELEMS
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f}"
-
 
 # ---------------------------------------------------------------------------------------- layout
 @dataclass(frozen=True)
@@ -60,6 +37,7 @@ class _Tensor:
     numel: int
     matrix: bool  # ndim >= 2
     trainable: bool
+    lora: bool = False  # a LoRA matrix (fp32 on the wire, whatever its shape)
 
 
 @dataclass(frozen=True)
@@ -67,6 +45,15 @@ class _UnitLayout:
     kind: str  # "embedding" | "layer" | "norm" | "head"
     tensors: tuple[_Tensor, ...]
     reads_embedding: bool = False  # a tied head computes with the embedding's fp32 flat
+
+    def specs(self, compute_dtype: torch.dtype) -> list[TensorSpec]:
+        """The tensors as the store lays them out, wire dtype by the store's own rule."""
+        return [
+            TensorSpec(t.numel, t.trainable, wire_dtype(torch.float32, 2 if t.matrix else 1, compute_dtype,
+                                                          embedding=self.kind == "embedding",
+                                                          name="lora_A.weight" if t.lora else ""))
+            for t in self.tensors
+        ]
 
 
 def _layout(shape: ModelShape, lora_rank: int | None, lora_targets: Iterable[str]) -> list[_UnitLayout]:
@@ -80,9 +67,8 @@ def _layout(shape: ModelShape, lora_rank: int | None, lora_targets: Iterable[str
         if bias:
             layer.append(_Tensor(fo, False, full))
         if lora and lname in lora_targets:
-            # LoRA matrices travel in fp32 like vectors (store.wire_dtype): matrix=False here
-            layer.append(_Tensor(lora_rank * fi, False, True))  # lora_A: (r, in)
-            layer.append(_Tensor(fo * lora_rank, False, True))  # lora_B: (out, r)
+            layer.append(_Tensor(lora_rank * fi, True, True, lora=True))  # lora_A: (r, in)
+            layer.append(_Tensor(fo * lora_rank, True, True, lora=True))  # lora_B: (out, r)
     if shape.qk_norm:
         layer += [_Tensor(shape.dim_head, False, full)] * 2
     layer += [_Tensor(shape.hidden, False, full)] * shape.norms_per_layer
@@ -96,92 +82,20 @@ def _layout(shape: ModelShape, lora_rank: int | None, lora_targets: Iterable[str
     return units
 
 
-def _wire_bytes(t: _Tensor, kind: str, compute_bytes: int) -> int:
-    """Bytes per element on the link: matrices outside the embedding in the compute dtype, else fp32."""
-    return compute_bytes if t.matrix and kind != "embedding" else 4
+def _wire_bytes(unit: _UnitLayout, compute_dtype: torch.dtype) -> int:
+    """Bytes of a unit's own tensors on the link."""
+    return sum(aligned(s.numel) * s.wire.itemsize for s in unit.specs(compute_dtype))
 
 
-def _host_tiers(units: list[_UnitLayout], compute_bytes: int, host_staging: bool = True) -> dict[str, int]:
+def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_staging: bool = True) -> dict[str, int]:
     """Host bytes per tier; without ``host_staging`` the fp32 masters are sent and rounded on the device."""
-    trainable = staging = frozen = 0
-    for unit in units:
-        unit_trainable = 0
-        for t in unit.tensors:
-            n = _aligned(t.numel)
-            wire = _wire_bytes(t, unit.kind, compute_bytes)
-            if t.trainable:
-                unit_trainable += n
-                if wire != 4:
-                    staging += n * wire
-            else:
-                frozen += n * wire
-        trainable += unit_trainable
-    return {
-        "master": 4 * trainable,
-        "grad": 4 * trainable,
-        "exp_avg": 4 * trainable,
-        "exp_avg_sq": 4 * trainable,
-        "staging": staging if host_staging else 0,
-        "frozen": frozen,
-    }
+    return host_tiers([lay_out(u.specs(compute_dtype)) for u in units], compute_dtype, staging=host_staging)
 
 
 def _offloaded_checkpoint_bytes(shape: ModelShape, tokens: int) -> int:
     """Activation checkpoints of ``tokens`` (all micro-batches in flight): every decoder layer's,
     the final norm's and the head's input, fp32 (the residual stream of mixed-precision training)."""
     return (shape.layers + 2) * tokens * shape.hidden * 4
-
-
-def host_breakdown_for_units(
-    units: list[tuple[str, torch.nn.Module]] | list[torch.nn.Module],
-    *,
-    compute_dtype: torch.dtype | str,
-    staging: bool = True,
-    embedding_units: frozenset[int] = frozenset({0}),
-    optimizer_state: bool = True,
-) -> dict[str, int]:
-    """Exact host bytes per tier for real modules, walked the way ``HostStore`` walks them.
-
-    For the engine: call it with the same ``units`` / ``embedding_units`` it hands the store, then
-    :func:`check_host_memory` with ``sum(breakdown.values())`` before allocating. ``staging``:
-    whether the store keeps a compute-dtype copy (``HostStore`` does unless compute is fp32 on
-    the CPU); ``optimizer_state``: count ``HostAdamW``'s two fp32 moments per trainable element.
-    Tied parameters (same tensor in two units) are counted once, frozen ones
-    (``requires_grad=False``) in their wire dtype only.
-    """
-    dtype = _DTYPE_BY_NAME.get(compute_dtype) if isinstance(compute_dtype, str) else compute_dtype
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(
-            f"compute_dtype={compute_dtype!r} is not supported; allowed: torch.bfloat16, torch.float32 "
-            f"or one of {sorted(_DTYPE_BY_NAME)}."
-        )
-    seen: set[int] = set()
-    trainable = low_precision = frozen = 0
-    for u, item in enumerate(units):
-        module = item[1] if isinstance(item, tuple) else item
-        unit_trainable = 0
-        for name, p in module.named_parameters(remove_duplicate=False):
-            if id(p) in seen:  # tied: lives in the first unit that has it
-                continue
-            seen.add(id(p))
-            n = _aligned(p.numel())
-            wire = wire_dtype(p, dtype, u in embedding_units, name)  # the store's own rule
-            if p.requires_grad:
-                unit_trainable += n
-                low_precision += n if wire != torch.float32 else 0
-            else:
-                frozen += n * torch.empty((), dtype=wire).element_size()
-        trainable += unit_trainable
-    moments = 4 * trainable if optimizer_state else 0
-    return {
-        "master": 4 * trainable,
-        "grad": 4 * trainable,
-        "exp_avg": moments,
-        "exp_avg_sq": moments,
-        "staging": low_precision * torch.empty((), dtype=dtype).element_size() if staging else 0,
-        "frozen": frozen,
-    }
-
 
 
 # ---------------------------------------------------------------------------------------- plan
@@ -328,11 +242,11 @@ class MemoryPlan:
         w = 44
         per = self.total_params or 1
         lines.append(f"{'HOST RAM (pinned, exact)':<{w}}{'GiB':>9}{'B/param':>9}")
-        labels = dict(_TIER_LABELS)
+        labels = dict(TIER_LABELS)
         labels["staging"] = f"{self.compute_dtype} staging copies (matrices)"
         for key, value in self.host_breakdown().items():
-            lines.append(f"  {labels[key]:<{w - 2}}{_gib(value):>9}{value / per:>9.2f}")
-        lines.append(f"  {'total':<{w - 2}}{_gib(self.host_total):>9}{self.host_total / per:>9.2f}")
+            lines.append(f"  {labels[key]:<{w - 2}}{gib(value):>9}{value / per:>9.2f}")
+        lines.append(f"  {'total':<{w - 2}}{gib(self.host_total):>9}{self.host_total / per:>9.2f}")
         lines.append("")
         lines.append(f"{'GPU (estimate)':<{w}}{'GiB':>9}")
         n_ckpt = s.layers + 2
@@ -347,15 +261,9 @@ class MemoryPlan:
             "runtime": "CUDA context + workspaces (allowance)",
         }
         for key, value in self.gpu_breakdown().items():
-            lines.append(f"  {gpu_labels[key]:<{w - 2}}{_gib(value):>9}")
-        lines.append(f"  {'total':<{w - 2}}{_gib(self.gpu_total):>9}")
+            lines.append(f"  {gpu_labels[key]:<{w - 2}}{gib(value):>9}")
+        lines.append(f"  {'total':<{w - 2}}{gib(self.gpu_total):>9}")
         return "\n".join(lines)
-
-
-def _check_int(name: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
-    return value
 
 
 def plan_memory(
@@ -402,23 +310,23 @@ def plan_memory(
             )
     cbytes = _COMPUTE_BYTES[compute_dtype]
     dtype_name = "bf16" if cbytes == 2 else "fp32"
+    dtype = _DTYPE_BY_NAME[compute_dtype]
     units = _layout(shape, lora_rank, lora_targets)
-    tiers = _host_tiers(units, cbytes, host_staging)
+    tiers = _host_tiers(units, dtype, host_staging)
 
     trainable = sum(t.numel for u in units for t in u.tensors if t.trainable)
     frozen = sum(t.numel for u in units for t in u.tensors if not t.trainable)
 
     # GPU ------------------------------------------------------------------------------------
-    embed_wire = sum(_aligned(t.numel) * 4 for t in units[0].tensors)
+    embed_wire = _wire_bytes(units[0], dtype)
 
     def wire(unit: _UnitLayout) -> int:
-        own = sum(_aligned(t.numel) * _wire_bytes(t, unit.kind, cbytes) for t in unit.tensors)
-        return own + (embed_wire if unit.reads_embedding else 0)
+        return _wire_bytes(unit, dtype) + (embed_wire if unit.reads_embedding else 0)
 
     def grads(unit: _UnitLayout) -> int:
-        n = sum(_aligned(t.numel) for t in unit.tensors if t.trainable)
+        n = sum(aligned(t.numel) for t in unit.tensors if t.trainable)
         if unit.reads_embedding and units[0].tensors[0].trainable:
-            n += _aligned(units[0].tensors[0].numel)
+            n += aligned(units[0].tensors[0].numel)
         return 4 * n
 
     distinct = units[:2] + units[-2:]  # embedding, one layer, norm, head
@@ -458,200 +366,3 @@ def plan_memory(
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,
                  plan.gpu_total / GiB)
     return plan
-
-
-# ---------------------------------------------------------------------------------------- checks
-def available_host_bytes() -> int:
-    """Host RAM available to a new allocation now (``psutil.virtual_memory().available``)."""
-    return int(psutil.virtual_memory().available)
-
-
-def check_host_memory(
-    needed_bytes: int,
-    breakdown: dict[str, int],
-    available: int | None = None,
-    headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
-) -> int:
-    """Raise ``MemoryError`` (with the arithmetic and the fix) unless ``needed_bytes`` plus
-    ``headroom_bytes`` fit in ``available`` (default: :func:`available_host_bytes`).
-
-    ``breakdown`` maps tier names (``master``, ``grad``, ``exp_avg``, ``exp_avg_sq``, ``staging``,
-    ``frozen`` or any label) to bytes; it is shown in the message. Returns the bytes to spare.
-    """
-    _check_int("needed_bytes", needed_bytes, 0)
-    _check_int("headroom_bytes", headroom_bytes, 0)
-    if available is None:
-        available = available_host_bytes()
-    spare = available - needed_bytes - headroom_bytes
-    if spare >= 0:
-        logger.info(
-            "host memory: %.2f GiB needed + %.2f GiB headroom <= %.2f GiB available (%.2f GiB to spare)",
-            needed_bytes / GiB, headroom_bytes / GiB, available / GiB, spare / GiB,
-        )
-        return spare
-    width = max([len(_TIER_LABELS.get(k, k)) for k in breakdown] + [28])
-    rows = [f"  {_TIER_LABELS.get(k, k):<{width}} {_gib(v):>9} GiB" for k, v in breakdown.items()]
-    listed = sum(breakdown.values())
-    if listed != needed_bytes:
-        rows.append(f"  {'other':<{width}} {_gib(needed_bytes - listed):>9} GiB")
-    rows += [
-        f"  {'= needed':<{width}} {_gib(needed_bytes):>9} GiB",
-        f"  {'+ headroom (process, data, OS)':<{width}} {_gib(headroom_bytes):>9} GiB",
-        f"  {'= required':<{width}} {_gib(needed_bytes + headroom_bytes):>9} GiB",
-        f"  {'available now':<{width}} {_gib(available):>9} GiB",
-        f"  {'short by':<{width}} {_gib(-spare):>9} GiB",
-    ]
-    message = (
-        f"megatrain needs {_gib(needed_bytes)} GiB of host RAM (+ {_gib(headroom_bytes)} GiB headroom) but only "
-        f"{_gib(available)} GiB is available:\n" + "\n".join(rows) + "\n"
-        "Fix: train a smaller model (fewer layers or a smaller preset; `megatrain estimate` prints the "
-        "largest that fits), use LoRA/PEFT (frozen base weights cost 2 B/param in bf16 instead of ~18 B), "
-        "free RAM held by other processes, or use a machine with more RAM. If this machine grants more "
-        "than it reports available (some VMs grow their RAM as it is used), "
-        "MegaTrainConfig(check_host_memory=False) skips the check."
-    )
-    raise MemoryError(message)
-
-
-# ---------------------------------------------------------------------------------------- what fits
-@dataclass(kw_only=True)
-class ModelFit:
-    """The largest models whose host plan fits a RAM budget. Build with :func:`largest_model`."""
-
-    available_bytes: int
-    """The RAM budget planned against."""
-    headroom_bytes: int
-    """Kept free on top of the plan."""
-    base: ModelShape
-    """The shape that was scaled."""
-    deepest: ModelShape | None
-    """``base`` with the most layers that fit (width unchanged), ``None`` if not even one layer fits."""
-    widest: ModelShape | None
-    """``base``'s depth at the largest width that fits (head width and GQA ratio kept), or ``None``."""
-    deepest_host_bytes: int = 0
-    """Host plan of ``deepest``."""
-    widest_host_bytes: int = 0
-    """Host plan of ``widest``."""
-
-    def describe(self) -> str:
-        budget = f"{_gib(self.available_bytes)} GiB (- {_gib(self.headroom_bytes)} GiB headroom)"
-        parts = [f"in {budget}, at the width of {self.base.name or 'the base'}:"]
-        if self.deepest is None:
-            parts.append("  not even one layer fits")
-        else:
-            parts.append(
-                f"  deepest: {self.deepest.layers} layers = {self.deepest.params() / 1e9:.2f} B params "
-                f"({_gib(self.deepest_host_bytes)} GiB host)"
-            )
-        if self.widest is not None:
-            w = self.widest
-            parts.append(
-                f"  widest at {w.layers} layers: hidden {w.hidden}, intermediate {w.intermediate}, heads "
-                f"{w.heads}/{w.kv_heads} = {w.params() / 1e9:.2f} B params ({_gib(self.widest_host_bytes)} GiB host)"
-            )
-        return "\n".join(parts)
-
-
-def _host_total(shape: ModelShape, compute_dtype: str, lora_rank: int | None, host_staging: bool = True,
-                offload_tokens: int = 0) -> int:
-    tiers = _host_tiers(_layout(shape, lora_rank, LORA_TARGETS), _COMPUTE_BYTES[compute_dtype], host_staging)
-    return sum(tiers.values()) + _offloaded_checkpoint_bytes(shape, offload_tokens)
-
-
-def largest_model(
-    available_bytes: int,
-    *,
-    base: ModelShape = PRESETS["llama-7b"],
-    compute_dtype: str = "bf16",
-    headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
-    lora_rank: int | None = None,
-    host_staging: bool = True,
-    offload_tokens: int = 0,
-) -> ModelFit:
-    """The largest depth and the largest width of ``base`` whose host plan fits ``available_bytes``.
-
-    Host RAM is the binding limit (the GPU side does not grow with depth, except for the
-    activation checkpoints). Depth: host bytes are ``fixed + layers * per_layer`` (embedding,
-    final norm and lm_head are the fixed part), so the deepest model is
-    ``(budget - fixed) // per_layer`` layers. Width: at ``base.layers``, the hidden size grows in
-    steps of ``head_dim * (heads // kv_heads)`` (whole GQA groups of the same head width), the
-    intermediate size in proportion (rounded to 256); host bytes grow monotonically with it, so
-    a bisection finds the widest.
-
-    ``host_staging`` and ``offload_tokens`` (tokens whose activation checkpoints live in host RAM:
-    sequence x micro-batch x micro-batches in flight, with ``offload_checkpoints``) plan what
-    :func:`plan_memory` plans with the same options.
-    """
-    _check_int("available_bytes", available_bytes, 0)
-    if compute_dtype not in _COMPUTE_BYTES:
-        raise ValueError(f"compute_dtype={compute_dtype!r}; allowed: {sorted(_COMPUTE_BYTES)}")
-    budget = available_bytes - headroom_bytes
-
-    def total(shape: ModelShape) -> int:
-        return _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens)
-
-    one, two = (total(base.with_layers(n)) for n in (1, 2))
-    per_layer = two - one
-    fixed = one - per_layer
-    layers = (budget - fixed) // per_layer if budget > fixed else 0
-    deepest = base.with_layers(int(layers)) if layers >= 1 else None
-
-    group = base.heads // base.kv_heads
-    step = base.dim_head * group
-
-    def widened(k: int) -> ModelShape:
-        hidden = k * step
-        inter = max(256, round(base.intermediate * hidden / base.hidden / 256) * 256)
-        heads = hidden // base.dim_head
-        return dataclasses.replace(
-            base,
-            hidden=hidden,
-            intermediate=inter,
-            heads=heads,
-            kv_heads=heads // group,
-            head_dim=base.head_dim,
-            name=f"{base.name or 'model'}@hidden{hidden}",
-        )
-
-    def fits(k: int) -> bool:
-        return total(widened(k)) <= budget
-
-    widest = None
-    if fits(1):
-        lo, hi = 1, 2
-        while fits(hi):
-            lo, hi = hi, hi * 2
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-        widest = widened(lo)
-    return ModelFit(
-        available_bytes=available_bytes,
-        headroom_bytes=headroom_bytes,
-        base=base,
-        deepest=deepest,
-        widest=widest,
-        deepest_host_bytes=total(deepest) if deepest else 0,
-        widest_host_bytes=total(widest) if widest else 0,
-    )
-
-
-def largest_preset(
-    available_bytes: int,
-    *,
-    compute_dtype: str = "bf16",
-    headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
-    lora_rank: int | None = None,
-    host_staging: bool = True,
-    offload_tokens: int = 0,
-) -> str | None:
-    """Name of the real-size preset with the most parameters whose host plan fits, or ``None``
-    (the test preset ``tiny`` is not considered); options as in :func:`largest_model`."""
-    fitting = [
-        (shape.params(), name)
-        for name, shape in PRESETS.items()
-        if name != "tiny"
-        and _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens) + headroom_bytes
-        <= available_bytes
-    ]
-    return max(fitting)[1] if fitting else None

@@ -2,16 +2,18 @@
 
 ``fetch(u)`` returns ``{name: tensor_dev}`` for every tensor unit ``u`` needs; the engine calls
 ``prefetch(v)`` for the next unit in forward or backward order right after queuing the compute
-of ``u``, so the upload of ``v`` runs on the copy stream while ``u`` computes. Each host flat a unit reads (its compute-dtype staging,
-its fp32 vectors, a tied weight's owner flat, frozen weights) crosses the link as ONE copy from
-pinned memory; the entries are views into it, so binding a template is free. On the CPU the
-views point straight into the host flats (no copy at all).
+of ``u``, so the upload of ``v`` runs on the copy stream while ``u`` computes. Each host flat a
+unit reads (its compute-dtype staging, its fp32 vectors, a tied weight's owner flat, frozen
+weights) crosses the link as ONE copy from pinned memory; the entries are views into it, so
+binding a template is free. Without streams (the CPU) the views point straight into the host
+flats: no copy at all.
 
 Residency lives here and nowhere else: the in-flight table (at most the current unit plus the
-prefetched one), and the device copies of unit buffers (uploaded once, e.g. Gemma3's
-``embed_scale``). Before reading a unit's host flats the streamer waits until no background
-optimizer update is writing them (``store.wait_ready``); an upload issued before the masters
-changed is dropped (``store.generation``).
+prefetched one), the unit fetched last (kept until another is fetched: the next micro-batch of a
+layer-major round, or the backward right after the head's forward, reuse it), and the device
+copies of unit buffers (uploaded once, e.g. Gemma3's ``embed_scale``). Before reading a unit's
+host flats the streamer waits until no background optimizer update is writing them; an upload
+issued before the masters changed is dropped (``gates.generation``).
 """
 
 from __future__ import annotations
@@ -19,74 +21,75 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from .layout import Kind
 from .store import HostStore
 
 
 @dataclass
 class _Upload:
     flats: dict[tuple, tuple[torch.Tensor, int]]  # (owner, source key) -> (device flat, base offset)
-    ready: torch.cuda.Event | None  # recorded on the copy stream after the last copy
+    ready: Any  # event recorded on the copy stream after the last copy (None: nothing was copied)
     generation: tuple[int, ...]
 
 
 class Streamer:
-    def __init__(self, store: HostStore, device: torch.device, stats) -> None:
+    def __init__(self, store: HostStore, device: torch.device, stats, streams=None) -> None:
         self.store = store
         self.device = device
         self.stats = stats  # EngineStats: h2d_bytes counts link traffic host -> device
-        self.cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
+        self.streams = streams  # CudaStreams / EmulatedStreams, or None: compute on the host flats
+        self.copy_stream = streams.new_stream() if streams is not None else None
         self._inflight: dict[int, _Upload] = {}
-        # The unit fetched last stays on the device until another is fetched: the next micro-batch
-        # of a layer-major round, or the backward right after the head's forward, reuse it.
         self._resident: tuple[int, _Upload] | None = None
         self._stalls: collections.deque = collections.deque()  # (event before, event after) around waits
         self._stalled_s = 0.0  # stall time of pairs already folded (completed)
         self._buffers_dev: dict[tuple[int, str], torch.Tensor] = {}
         for u, entries in enumerate(store.entries):
             for e in entries:
-                if e.kind == "buffer":
+                if e.kind is Kind.BUFFER:
                     self._buffers_dev[(u, e.name)] = e.tensor.to(device)
         self._sources: list[list[tuple]] = [
-            list(dict.fromkeys((e.owner, e.source) for e in entries if e.kind != "buffer"))
+            list(dict.fromkeys((e.owner, e.source) for e in entries if e.kind is not Kind.BUFFER))
             for entries in store.entries
         ]
         self._owners = [sorted({owner for owner, _ in sources}) for sources in self._sources]
 
     def _generation(self, u: int) -> tuple[int, ...]:
-        return tuple(self.store.generation[o] for o in self._owners[u])
+        generation = self.store.gates.generation
+        return tuple(generation[o] for o in self._owners[u])
 
     def _issue(self, u: int) -> _Upload:
         self.stats.uploads += 1
         started = time.perf_counter()
         for owner in self._owners[u]:
-            self.store.wait_ready(owner)  # no background update is writing these masters
+            self.store.gates.wait_ready(owner)  # no background update is writing these masters
         self.stats.optimizer_wait_s += time.perf_counter() - started
         flats: dict[tuple, tuple[torch.Tensor, int]] = {}
-        if not self.cuda:
+        streams = self.streams
+        if streams is None:
             for owner, key in self._sources[u]:
                 host, base = self.store.source(owner, key)
                 flats[(owner, key)] = (host if host.dtype == key[1] else host.to(key[1]), base)
             return _Upload(flats, None, self._generation(u))
-        with torch.cuda.stream(self.copy_stream):
+        with streams.on(self.copy_stream):
             for owner, key in self._sources[u]:
                 host, base = self.store.source(owner, key)
-                dev = torch.empty(host.shape, dtype=host.dtype, device=self.device)
+                dev = streams.empty(host.shape, host.dtype)
                 # pinned source + non_blocking: a DMA on the copy stream, overlapping compute
                 dev.copy_(host, non_blocking=True)
                 self.stats.h2d_bytes += host.numel() * host.element_size()
                 if dev.dtype != key[1]:  # no host staging copy: round the fp32 masters here
                     dev = dev.to(key[1])
                 flats[(owner, key)] = (dev, base)
-            ready = torch.cuda.Event()
-            ready.record(self.copy_stream)
+            ready = streams.record(self.copy_stream)
         return _Upload(flats, ready, self._generation(u))
 
     def prefetch(self, u: int) -> None:
-        if self.cuda and 0 <= u < len(self._sources) and u not in self._inflight:
+        if self.streams is not None and 0 <= u < len(self._sources) and u not in self._inflight:
             self._inflight[u] = self._issue(u)
 
     def fetch(self, u: int) -> dict[str, torch.Tensor]:
@@ -101,24 +104,10 @@ class Streamer:
             self._resident = (u, upload)
         self.stats.fetches += 1
         if upload.ready is not None:
-            compute = torch.cuda.current_stream(self.device)
-            if upload.ready.query():
-                compute.wait_event(upload.ready)  # (already complete: no stall)
-            else:
-                # the compute stream may stall on this upload: time the stall with two events
-                self.stats.fetches_not_ready += 1
-                before = torch.cuda.Event(enable_timing=True)
-                before.record(compute)
-                compute.wait_event(upload.ready)  # compute reads the weights only once they landed
-                after = torch.cuda.Event(enable_timing=True)
-                after.record(compute)
-                self._stalls.append((before, after))
-                self._fold_stalls()
-            for dev, _ in upload.flats.values():
-                dev.record_stream(compute)  # allocated on the copy stream, freed after compute
+            self._wait_for(upload)
         tensors: dict[str, torch.Tensor] = {}
         for e in self.store.entries[u]:
-            if e.kind == "buffer":
+            if e.kind is Kind.BUFFER:
                 tensors[e.name] = self._buffers_dev[(u, e.name)]
                 continue
             flat_dev, base = upload.flats[(e.owner, e.source)]
@@ -126,11 +115,27 @@ class Streamer:
             tensors[e.name] = flat_dev[start : start + e.numel].view(e.shape)
         return tensors
 
+    def _wait_for(self, upload: _Upload) -> None:
+        """The compute stream reads the upload only once it landed; a stall is timed with two events."""
+        streams = self.streams
+        compute = streams.current()
+        if upload.ready.query():
+            compute.wait_event(upload.ready)  # (already complete: no stall)
+        else:
+            self.stats.fetches_not_ready += 1
+            before = streams.record(compute, timing=True)
+            compute.wait_event(upload.ready)
+            after = streams.record(compute, timing=True)
+            self._stalls.append((before, after))
+            self._fold_stalls()
+        for dev, _ in upload.flats.values():
+            streams.keep_alive(dev, compute)  # allocated on the copy stream, freed after compute
+
     def exposed_wait_s(self) -> float:
         """Seconds the compute stream waited for uploads since the last call (exposed H2D time).
 
         Measured by events around each wait whose upload had not landed when it was queued; read
-        when the work is done (the integration calls it at log time, after the step).
+        when the work is done (the metrics read it at log time, after the step).
         """
         stalls, self._stalls = self._stalls, collections.deque()
         total, self._stalled_s = self._stalled_s, 0.0

@@ -1,23 +1,24 @@
 """Gradient sink: a unit's device gradients into the fp32 host accumulators, off the critical path.
 
-On CUDA, ``submit`` sends the unit's gradients (as fp32) to the host on the grad stream,
-overlapping the backward of the next unit. A tensor's first contribution of the optimizer step is
-copied straight into its pinned fp32 accumulator (``grad_host``). A later one is added on the
-GPU: the accumulator goes up the link, the gradient is added to it there, and the sum comes back
-down into ``grad_host`` (the same fp32 addition the host would do, bit for bit, but no host CPU
-time and no host memory pass: on the H200 host, adding 6.7 B gradients per micro-batch group on
-the CPU, with their norms, took ~2 s a group and capped accumulation at half speed). The
-per-tensor norms of what lands in the accumulators are computed on the GPU too, so the global
+With streams (CUDA), ``submit`` sends the unit's gradients (as fp32) to the host on the grad
+stream, overlapping the backward of the next unit. A tensor's first contribution of the optimizer
+step is copied straight into its pinned fp32 accumulator (``grad_host``). A later one takes the
+*GPU round trip*: the accumulator goes up the link, the gradient is added to it there, and the sum
+comes back down (the same fp32 addition the host would do, bit for bit, at no host CPU time). The
+per-tensor norms of what lands in the accumulators are computed on the device too, so the global
 norm is known when backward ends. A worker thread waits for each unit's copies, points
-``param.grad`` at the accumulators and records the norms. ``wait()`` is queued at the end of
-every backward pass, so when ``loss.backward()`` returns, every ``param.grad`` is complete, as in
-plain PyTorch.
+``param.grad`` at the accumulators and records the norms. ``wait()`` runs at the end of every
+backward pass, so when ``loss.backward()`` returns every ``param.grad`` is complete, as in plain
+PyTorch. Without streams (the CPU) the same work runs inline.
 
-In a layer-major group (:mod:`megatrain_hf.layer_major`) the micro-batches' gradients of a unit
-are first summed on the device in fp32 and sent once, when the unit's last backward call of the
-group has run.
+In a layer-major group (``runtime/layer_major.py``) the micro-batches' gradients of a unit are
+first summed on the device in fp32 and sent once, when the unit's last backward call of the group
+has run.
 
-On the CPU the same work runs inline.
+Tensor hooks on parameters (``p.register_hook``, ``register_post_accumulate_grad_hook``) run as
+autograd runs them: on the parameter's whole gradient of the backward pass (fp32, on the
+parameter's device: the host), in registration order, before it is accumulated; the
+post-accumulate hooks after. Those parameters take the synchronous host path.
 """
 
 from __future__ import annotations
@@ -30,52 +31,48 @@ from typing import Callable
 
 import torch
 
-from .store import Entry, HostStore
+from .layout import Entry, Kind
+from .store import HostStore
 from .workers import start_worker
 
 logger = logging.getLogger(__name__)
 
 MAX_PENDING_SENDS = 3
 """Units whose gradient transfers may be queued on the grad stream at once. Each keeps its device
-gradients alive until its copies end; on the H200, a 7B layer's round trip (accumulator up, sum
-down) takes about as long as its backward, and without a bound the queue grew to 20 GiB of GPU
-memory by the end of backward (a 24 GiB budget then fit one micro-batch where it fit two)."""
+gradients alive until its copies end; without a bound the queue grows by a unit's gradients per
+layer of backward whenever the link is slower than the backward (see docs/log.md)."""
+
+Sums = list[tuple[Entry, torch.Tensor]]  # (entry, its fp32 gradient sum on the device, flat)
+
+
+def has_tensor_hooks(param: torch.Tensor) -> bool:
+    return bool(param._backward_hooks) or bool(getattr(param, "_post_accumulate_grad_hooks", None))
 
 
 class GradSink:
-    def __init__(self, store: HostStore, device: torch.device, stats, host_threads: int = 1) -> None:
+    def __init__(self, store: HostStore, stats, streams=None, host_threads: int = 1) -> None:
         self.host_threads = host_threads
         self.store = store
-        self.device = device
         self.stats = stats
-        self.final_microbatch: Callable[[], bool] = lambda: True  # set by integrations (GA hint)
+        self.streams = streams
+        self.final_microbatch: Callable[[], bool] = lambda: True  # whether norms are wanted (Engine sets it)
         self.norms: list[tuple | None] = [None] * len(store.entries)  # (grad key, per-tensor norms)
         self._foreign: dict[int, list] = {}  # owner unit -> tied-weight gradients waiting for it
         self._pending_calls: list[int] | None = None  # layer-major group: backward calls still to come
         self._held: dict[int, dict] = {}  # layer-major group: owner -> {offset: (entry, fp32 device sum)}
         # units whose backward can add into an owner's gradients (itself; lm_head for a tied embedding)
         self._contributors: list[set[int]] = [set() for _ in store.entries]
-        for u, unit_entries in enumerate(store.entries):
-            for e in unit_entries:
-                if e.kind == "trainable":
-                    self._contributors[e.owner].add(u)
-        # device_update: units whose gradients also stay on the device after their send, so that
-        # the device's share of the update need not bring them back up (set by HostAdamW)
-        self.keep_on_device: frozenset[int] = frozenset()
-        self._kept: dict[int, tuple[tuple, dict[int, torch.Tensor]]] = {}  # unit -> (grad key, {offset: flat})
-        self.stale_device_grads = 0  # kept copies found stale when taken (a gradient changed since)
+        for u in range(len(store.entries)):
+            for e in store.entries_of(u, Kind.TRAINABLE):
+                self._contributors[e.owner].add(u)
         self._error: BaseException | None = None
         self._pending = 0
         self._cond = threading.Condition()
         self._worker: threading.Thread | None = None
-        if device.type == "cuda":
-            self._start_cuda()
-
-    # ------------------------------------------------------------------ setup
-    def _start_cuda(self) -> None:
-        self.stream = torch.cuda.Stream(self.device)
-        self._jobs: queue.Queue = queue.Queue()
-        self._worker = start_worker(self, self._jobs, "_process", self.host_threads, "megatrain-grads")
+        if streams is not None:
+            self.stream = streams.new_stream()
+            self._jobs: queue.Queue = queue.Queue()
+            self._worker = start_worker(self, self._jobs, "_process", host_threads, "megatrain-grads")
 
     def close(self) -> None:
         if self._worker is not None:
@@ -83,11 +80,20 @@ class GradSink:
             self._worker.join(timeout=60)
             self._worker = None
 
+    def __del__(self) -> None:
+        jobs = getattr(self, "_jobs", None)
+        if jobs is not None:
+            jobs.put(None)
+
     # ------------------------------------------------------------------ layer-major groups
     def begin_group(self) -> None:
         """A layer-major group starts: gradients are summed on the device, sent once per unit."""
         self._pending_calls = [0] * len(self.store.entries)
         self._held = {}
+
+    @property
+    def in_group(self) -> bool:
+        return self._pending_calls is not None
 
     def count_call(self, u: int) -> None:
         """The group's forward made one more call of unit ``u`` whose backward will submit."""
@@ -147,47 +153,48 @@ class GradSink:
             self._foreign.setdefault(e.owner, []).append((e, g))
         pending = self._foreign.pop(u, [])
         if pending:
-            local = self._merge_foreign(local, pending)
+            local = _merge_foreign(local, pending)
         self._send(u, local, want_norm=self.final_microbatch())
 
-    def _send(self, u: int, local: list[tuple[Entry, torch.Tensor]], want_norm: bool, timed: bool = True) -> None:
-        """Unit ``u``'s gradients (owned by ``u``) into its host accumulators."""
-        before = self._grad_key(u) if u in self.keep_on_device else None  # what kept copies describe
-        if self._worker is None:
-            for e, g in local:
+    def _send(self, u: int, local: Sums, want_norm: bool, timed: bool = True) -> Sums | None:
+        """Unit ``u``'s gradients (owned by ``u``) into its host accumulators.
+
+        Returns the device sums sent down (None when some gradient took the synchronous path, so
+        the sums do not describe all of ``.grad``; or without streams)."""
+        merged = _merge_duplicates(local)
+        hooked = [(e, g) for e, g in merged if has_tensor_hooks(e.tensor)]
+        if hooked:
+            merged = [(e, g) for e, g in merged if not has_tensor_hooks(e.tensor)]
+            for e, g in hooked:
+                self._accumulate_hooked(e, g)
+        if self.streams is None:
+            for e, g in merged:
                 self.store.accumulate_grad(e, g)
             self.norms[u] = self._unit_norms(u) if want_norm else None
-            if u in self.keep_on_device:  # the "device" is the CPU: a copy of the accumulated sums
-                self._keep(u, [(e, e.tensor.grad.detach().reshape(-1).clone()) for e, _ in local], before,
-                           self._grad_key(u))
-            return
-        grad_host = self.store.buffers[u].grad_host
-        fresh, added, sent = [], [], []
-        merged = self._merge_duplicates(local)
+            return None
+        fresh, added, replaced = [], [], False
         for e, g in merged:
-            grad = e.tensor.grad
-            if grad is None:  # the step's first contribution: straight into the accumulator
+            if e.tensor.grad is None:  # the step's first contribution: straight into the accumulator
                 fresh.append((e, g))
-            elif grad.data_ptr() == grad_host[e.offset :].data_ptr():  # a later one: summed on the GPU
+            elif self.store.holds_grad(e):  # a later one: summed on the device
                 added.append((e, g))
             else:  # the user replaced .grad with a tensor of their own: add into it, synchronously
                 self.store.accumulate_grad(e, g)
-                before = None  # and no device copy of this unit's gradients is kept
-                continue
-            sent.append(e)
-        # The GPU knows the whole of each accumulator once every tensor of the unit holding a
+                replaced = True
+        sent = [e for e, _ in fresh + added]
+        # The device knows the whole of each accumulator once every tensor of the unit holding a
         # gradient is in this send; then its norms (fp32, as of the fp32 .grad that plain training
-        # clips) come from the GPU, else the worker reads the host accumulators.
+        # clips) come from the device, else the worker reads the host accumulators.
         sent_ids = {id(e) for e in sent}
-        owned = (e for e in self.store.entries[u] if e.owner == u and e.kind == "trainable")
-        whole = len(sent) == len(merged) and all(e.tensor.grad is None or id(e) in sent_ids for e in owned)
-        gpu_norms = want_norm and whole and bool(sent)
+        owned = self.store.owned_trainable(u)
+        whole = not replaced and not hooked and all(e.tensor.grad is None or id(e) in sent_ids for e in owned)
+        device_norms = want_norm and whole and bool(sent)
         waited = time.perf_counter()
         self._wait_pending(MAX_PENDING_SENDS - 1)  # back-pressure: the compute waits for the link
         if timed:  # (wait() times its own flush)
             self.stats.grad_wait_s += time.perf_counter() - waited
         try:
-            start, done, norms_host, sums = self._copy_down(fresh, added, grad_host, gpu_norms)
+            events, norms_host, sums = self._copy_down(fresh, added, device_norms)
         except BaseException:
             # e.g. out of memory in a cast after some copies were queued: they read `merged`, which
             # must outlive them, and the accumulators they write must be final before anyone reads
@@ -197,13 +204,8 @@ class GradSink:
         # micro-batch, a flushed group sum) must add to what this one queued, not copy over it;
         # the accumulator is read only after wait(), once the copies landed
         for e, _ in fresh:
-            e.tensor.grad = grad_host[e.offset : e.offset + e.numel].view(e.shape)
-        key = self._grad_key(u)  # what the norms describe: a later change of .grad invalidates them
-        if u in self.keep_on_device:
-            if before is None:
-                self._kept.pop(u, None)
-            else:
-                self._keep(u, sums, before, key)
+            e.tensor.grad = self.store.grad_region(e).view(e.shape)
+        key = self.grad_key(u)  # what the norms describe: a later change of .grad invalidates them
         with self._cond:
             self._pending += 1
         self.norms[u] = None
@@ -211,69 +213,57 @@ class GradSink:
         # grad stream) stays referenced until the worker saw the copies end: the caching allocator
         # must not hand their memory to the compute stream first. What _copy_down allocated on the
         # grad stream is freed at once: only later work on that same stream can reuse it.
-        self._jobs.put((u, key, (start, done), merged, norms_host if gpu_norms else want_norm))
+        self._jobs.put((u, key, events, merged, norms_host if device_norms else want_norm))
+        return None if replaced or hooked else sums
 
-    @staticmethod
-    def _merge_duplicates(local: list[tuple[Entry, torch.Tensor]]) -> list[tuple[Entry, torch.Tensor]]:
-        """One (entry, gradient) per accumulator region: a tensor listed twice in a unit gets the sum
-        of its gradients, as autograd gives a parameter used twice."""
-        by_offset: dict[int, int] = {}
-        merged: list[tuple[Entry, torch.Tensor]] = []
-        for e, g in local:
-            i = by_offset.get(e.offset)
-            if i is None:
-                by_offset[e.offset] = len(merged)
-                merged.append((e, g))
-            else:
-                merged[i] = (merged[i][0], merged[i][1].float() + g.float())
-        return merged
+    def _accumulate_hooked(self, e: Entry, g: torch.Tensor) -> None:
+        """The synchronous host path of a parameter with tensor hooks (see module docstring)."""
+        param = e.tensor
+        grad = g.detach().to("cpu", torch.float32).view(e.shape)
+        for hook in (param._backward_hooks or {}).values():
+            result = hook(grad)
+            if result is not None:
+                grad = result
+        if param.grad is not None:
+            self._wait_pending(0)  # an earlier send of this step may still be landing in the same region
+        self._count(g)
+        self.store.accumulate_grad(e, grad)
+        for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(param)
 
-    def _copy_down(self, fresh, added, grad_host, gpu_norms: bool):
+    def _copy_down(self, fresh: Sums, added: Sums, device_norms: bool):
         """Queue one unit's transfers on the grad stream: ``fresh`` gradients down into the
         accumulators; for ``added`` ones the accumulator up, the gradient added to it, the sum down.
-        Returns the (start, done) events and the pinned norms (or None)."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # grads are ready there
+        Returns the (start, done) events, the pinned norms (or None) and the sums sent down."""
+        streams, store = self.streams, self.store
+        self.stream.wait_stream(streams.current())  # the gradients are ready there
         norms_host = None
-        with torch.cuda.stream(self.stream):
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)  # when the grad stream begins this unit's transfers
+        with streams.on(self.stream):
+            start = streams.record(self.stream, timing=True)  # when the grad stream begins this unit
             sums = []
             if added:
-                acc = torch.empty(sum(e.numel for e, _ in added), dtype=torch.float32, device=self.device)
+                acc = streams.empty((sum(e.numel for e, _ in added),), torch.float32)
                 offset = 0
                 for e, g in added:
                     part = acc[offset : offset + e.numel]
                     offset += e.numel
-                    part.copy_(grad_host[e.offset : e.offset + e.numel], non_blocking=True)
-                    part.add_(g.reshape(-1))  # fp32 += (bf16 | fp32): the host's fp32 add, on the GPU
+                    part.copy_(store.grad_region(e), non_blocking=True)
+                    part.add_(g.reshape(-1))  # fp32 += (bf16 | fp32): the host's fp32 add, on the device
                     sums.append((e, part))
                 self.stats.h2d_bytes += acc.numel() * 4
                 self.stats.grad_stream_bytes += acc.numel() * 4
             for e, g in fresh:
-                sums.append((e, g.reshape(-1).float()))  # the cast runs on the GPU for free
+                sums.append((e, g.reshape(-1).float()))  # the cast runs on the device for free
             for e, total in sums:
-                grad_host[e.offset : e.offset + e.numel].copy_(total, non_blocking=True)
+                store.grad_region(e).copy_(total, non_blocking=True)
                 self.stats.d2h_bytes += e.numel * 4
                 self.stats.grad_stream_bytes += e.numel * 4
-            if gpu_norms:
+            if device_norms:
                 norms = torch.stack(torch._foreach_norm([t for _, t in sums], 2))
-                norms_host = torch.empty(norms.shape, dtype=torch.float32, pin_memory=True)
+                norms_host = streams.pinned(norms.shape, torch.float32)
                 norms_host.copy_(norms, non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True)
-            done.record(self.stream)
-        return start, done, norms_host, sums
-
-    @staticmethod
-    def _merge_foreign(local: list, pending: list) -> list:
-        merged = list(local)
-        for e, g in pending:
-            for i, (le, lg) in enumerate(merged):
-                if le.tensor is e.tensor:
-                    merged[i] = (le, g.to(lg.dtype) + lg)
-                    break
-            else:
-                merged.append((e, g))
-        return merged
+            done = streams.record(self.stream, timing=True)
+        return (start, done), norms_host, sums
 
     def flush_foreign(self) -> None:
         """Accumulate tied-weight contributions whose owner did not run in this backward."""
@@ -288,18 +278,13 @@ class GradSink:
         if g.device.type != "cpu":
             self.stats.d2h_bytes += g.numel() * g.element_size()
 
-    def __del__(self) -> None:
-        jobs = getattr(self, "_jobs", None)
-        if jobs is not None:
-            jobs.put(None)
-
     # ------------------------------------------------------------------ worker
     def _process(self, job) -> None:
-        u, key, (start, done), _keep, want_norm = job
+        u, key, (start, done), _merged, want_norm = job
         try:
             done.synchronize()
             self.stats.grad_stream_busy_s += start.elapsed_time(done) / 1e3  # its effective link rate
-            if isinstance(want_norm, torch.Tensor):  # computed on the GPU, as of the send (key)
+            if isinstance(want_norm, torch.Tensor):  # computed on the device, as of the send (key)
                 self.norms[u] = (key, list(want_norm.unbind()))
             elif want_norm:  # from the host accumulators; valid only if no later send changed them
                 self.norms[u] = (key, self._unit_norms(u)[1])
@@ -335,15 +320,14 @@ class GradSink:
             error, self._error = self._error, None
             raise RuntimeError(f"megatrain gradient accumulation failed: {error!r}") from error
 
-    def _grad_key(self, u: int) -> tuple:
+    def grad_key(self, u: int) -> tuple:
         """Identity and version of unit ``u``'s gradients: a cached norm is valid while it holds."""
-        grads = [e.tensor.grad for e in self.store.entries[u] if e.owner == u and e.kind == "trainable"]
+        grads = [e.tensor.grad for e in self.store.owned_trainable(u)]
         return tuple((id(g), g._version) if g is not None else None for g in grads)
 
     def _unit_norms(self, u: int) -> tuple[tuple, list[torch.Tensor]]:
-        grads = [e.tensor.grad for e in self.store.entries[u] if e.owner == u and e.kind == "trainable"]
-        present = [g for g in grads if g is not None]
-        return self._grad_key(u), (list(torch._foreach_norm(present)) if present else [])
+        present = [e.tensor.grad for e in self.store.owned_trainable(u) if e.tensor.grad is not None]
+        return self.grad_key(u), (list(torch._foreach_norm(present)) if present else [])
 
     def global_norm(self) -> torch.Tensor:
         """L2 norm over all host gradients, like ``torch.nn.utils.clip_grad_norm_`` computes it."""
@@ -351,37 +335,41 @@ class GradSink:
         norms: list[torch.Tensor] = []
         for u in range(len(self.norms)):
             # recompute when the gradients changed since (a training_step override edited them)
-            if self.norms[u] is None or self.norms[u][0] != self._grad_key(u):
+            if self.norms[u] is None or self.norms[u][0] != self.grad_key(u):
                 self.norms[u] = self._unit_norms(u)
             norms.extend(self.norms[u][1])
         if not norms:
             return torch.zeros(())
         return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
-    def reset_norms(self) -> None:
-        self.norms = [None] * len(self.norms)
+    def hooked_parameters(self) -> list[str]:
+        """Names of trainable parameters with tensor hooks (they need one backward per micro-batch)."""
+        return [f"{self.store.names[u]}.{e.name}" for u in range(len(self.store.entries))
+                for e in self.store.owned_trainable(u) if has_tensor_hooks(e.tensor)]
 
-    # ------------------------------------------------------------------ device copies (device_update)
-    def _keep(self, u: int, sums: list[tuple[Entry, torch.Tensor]], before: tuple, key: tuple) -> None:
-        """Keep unit ``u``'s summed gradients (flat fp32, as sent down) on the device, valid while the
-        unit's ``.grad`` keeps ``key`` (a later send, an edit or a replaced ``.grad`` changes it).
-        Copies kept by an earlier send of the unit join them only if they still described its
-        ``.grad`` just before this send (``before``): a unit sent twice in a step."""
-        old_key, held = self._kept.get(u, (None, {}))
-        held = dict(held) if old_key == before else {}
-        held.update({e.offset: t for e, t in sums})  # the later sums win
-        self._kept[u] = (key, held)
 
-    def take_device_grads(self) -> dict[int, dict[int, torch.Tensor]]:
-        """The kept device gradients that still equal the host ``.grad`` (unit -> {offset: flat}), once:
-        the sink forgets them all. Call after backward's gradients landed (``wait()``)."""
-        kept, self._kept = self._kept, {}
-        valid = {u: held for u, (key, held) in kept.items() if key == self._grad_key(u)}
-        self.stale_device_grads += len(kept) - len(valid)
-        return valid
+def _merge_duplicates(local: Sums) -> Sums:
+    """One (entry, gradient) per accumulator region: a tensor listed twice in a unit gets the sum of
+    its gradients, as autograd gives a parameter used twice."""
+    by_offset: dict[int, int] = {}
+    merged: Sums = []
+    for e, g in local:
+        i = by_offset.get(e.offset)
+        if i is None:
+            by_offset[e.offset] = len(merged)
+            merged.append((e, g))
+        else:
+            merged[i] = (merged[i][0], merged[i][1].float() + g.float())
+    return merged
 
-    def drop_device_grads(self) -> None:
-        """Keep nothing on the device any more, and free what is kept (the optimizer that collected
-        them skipped a step, was closed or replaced)."""
-        self.keep_on_device = frozenset()
-        self._kept = {}
+
+def _merge_foreign(local: Sums, pending: Sums) -> Sums:
+    merged = list(local)
+    for e, g in pending:
+        for i, (le, lg) in enumerate(merged):
+            if le.tensor is e.tensor:
+                merged[i] = (le, g.to(lg.dtype) + lg)
+                break
+        else:
+            merged.append((e, g))
+    return merged

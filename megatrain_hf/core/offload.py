@@ -52,13 +52,11 @@ class Checkpoint:
 class CheckpointOffload:
     """A pool of pinned host buffers and the stream that moves checkpoints through them."""
 
-    def __init__(self, device: torch.device, allocate: Callable[[int, torch.dtype], torch.Tensor],
-                 free: Callable[[torch.Tensor], None], available_bytes: Callable[[], int], headroom_bytes: int,
-                 stats) -> None:
-        self.device = device
+    def __init__(self, allocate: Callable[[int, torch.dtype], torch.Tensor], free: Callable[[torch.Tensor], None],
+                 available_bytes: Callable[[], int], headroom_bytes: int, stats, streams=None) -> None:
         self.stats = stats  # the engine's: checkpoint bytes count as link traffic
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.streams = streams  # CudaStreams / EmulatedStreams, or None: copies on the CPU, in place
+        self.stream = streams.new_stream() if streams is not None else None
         self._allocate, self._free_flat = allocate, free
         self._available_bytes = available_bytes
         self._headroom = headroom_bytes
@@ -100,7 +98,7 @@ class CheckpointOffload:
     def _retire(self, force: int = 0) -> None:
         """Forget downloads that ended (the first ``force`` ones: make the compute stream wait for them),
         checking that no input changed in place while its copy was pending."""
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.streams.current()
         while self._pending and (force > 0 or self._pending[0][0].query()):
             copied, x, version = self._pending.popleft()
             if force > 0:
@@ -118,15 +116,14 @@ class CheckpointOffload:
         """Start copying ``x`` to a pooled host buffer; ``x`` may be freed right after."""
         buffer = self._take(x.numel(), x.dtype)
         host = buffer[: x.numel()]
-        if self.cuda:
+        streams = self.streams
+        if streams is not None:
             self._retire(force=max(0, len(self._pending) + 1 - MAX_PENDING))
-            compute = torch.cuda.current_stream(self.device)
-            self.stream.wait_stream(compute)  # x is written on the compute stream
-            with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(streams.current())  # x is written on the compute stream
+            with streams.on(self.stream):
                 host.copy_(x.detach().reshape(-1), non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(self.stream)
-            x.record_stream(self.stream)  # the allocator must not reuse x before the copy read it
+                copied = streams.record(self.stream)
+            streams.keep_alive(x, self.stream)  # the allocator must not reuse x before the copy read it
             self._pending.append((copied, x, x._version))
         else:
             host.copy_(x.detach().reshape(-1))
@@ -144,12 +141,12 @@ class CheckpointOffload:
         """Start bringing ``ckpt`` back to the device (no-op if already started or loaded)."""
         if ckpt is None or ckpt.host is None or ckpt.device_copy is not None:
             return
-        if self.cuda:
-            with torch.cuda.stream(self.stream):
-                dev = torch.empty(ckpt.shape, dtype=ckpt.dtype, device=self.device)
+        streams = self.streams
+        if streams is not None:
+            with streams.on(self.stream):
+                dev = streams.empty(ckpt.shape, ckpt.dtype)
                 dev.view(-1).copy_(ckpt.host, non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record(self.stream)
+                ready = streams.record(self.stream)
             ckpt.device_copy = (dev, ready)
         else:
             ckpt.device_copy = (ckpt.host.view(ckpt.shape).clone(), None)
@@ -163,14 +160,14 @@ class CheckpointOffload:
                 "graph (retain_graph=True, or torch.autograd.grad before backward); offload_checkpoints "
                 "supports one backward per forward"
             )
-        if self.cuda:
+        if self.streams is not None:
             self._retire()
         self.prefetch(ckpt)
         dev, ready = ckpt.device_copy
         if ready is not None:
-            compute = torch.cuda.current_stream(self.device)
+            compute = self.streams.current()
             compute.wait_event(ready)
-            dev.record_stream(compute)  # allocated on the offload stream, used and freed on compute
+            self.streams.keep_alive(dev, compute)  # allocated on the offload stream, used and freed on compute
         ckpt.device_copy = None
         ckpt.host = None  # the finalizer returns the buffer once the checkpoint object goes
         return dev.requires_grad_(ckpt.requires_grad) if dev.is_floating_point() else dev

@@ -25,14 +25,14 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from ..core.layout import loss_chunk_tokens
 
-_CHUNK_ELEMENTS = 1 << 26  # logits elements per chunk when not configured (256 MB in fp32)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -107,18 +107,16 @@ class ChunkedLMLoss:
         return (grad_hidden.view_as(x) if grad_hidden is not None else None), sums
 
 
-def chunk_tokens(configured: int | None, vocab: int) -> int:
-    if configured is not None:
-        return configured
-    return max(1, _CHUNK_ELEMENTS // max(1, vocab))
-
-
-def chunked_forward(engine: Any, base: torch.nn.Module, original: Callable, chunk: int | None) -> Callable:
+def chunked_forward(base: torch.nn.Module, original: Callable, chunk: int | None,
+                    head_loss: Callable[[torch.Tensor, ChunkedLMLoss], torch.Tensor],
+                    active: Callable[[], bool]) -> Callable:
     """A replacement for ``base.forward`` that computes the training loss chunk by chunk.
 
-    Used when the chunked loss is active, the module is training, gradients are enabled and
-    ``labels`` are given as a keyword (positional arguments and ``return_dict=False`` route to
-    the original forward). ``logits_to_keep`` is ignored there: no logits are returned.
+    ``head_loss(hidden, kernel)`` runs the kernel as the head unit's streamed call; ``active()``
+    says whether the chunked loss applies now (the integration decides). Used when the module is
+    training, gradients are enabled and ``labels`` are given as a keyword (positional arguments and
+    ``return_dict=False`` route to the original forward). ``logits_to_keep`` is ignored there: no
+    logits are returned.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -130,7 +128,7 @@ def chunked_forward(engine: Any, base: torch.nn.Module, original: Callable, chun
     def forward(*args, **kwargs):
         labels = kwargs.get("labels")
         if (
-            not engine.chunked_loss_active
+            not active()
             or args
             or labels is None
             or not base.training
@@ -153,13 +151,12 @@ def chunked_forward(engine: Any, base: torch.nn.Module, original: Callable, chun
             denominator=num_items,
             ignore_index=ignore_index,
             softcap=softcap,
-            chunk_tokens=chunk_tokens(chunk, vocab),
+            chunk_tokens=loss_chunk_tokens(chunk, vocab),
         )
-        loss = engine.head_loss(hidden, kernel)
+        loss = head_loss(hidden, kernel)
         return CausalLMOutputWithPast(
             loss=loss, logits=None, hidden_states=getattr(outputs, "hidden_states", None),
             attentions=getattr(outputs, "attentions", None),
         )
 
     return forward
-

@@ -12,10 +12,9 @@ and always in the same order (so anything they draw from the RNG is drawn in a f
   the driver executes one *round* -- unit u for all K micro-batches -- back to back, with the
   weights uploaded once;
 * a coroutine that reaches its backward (:meth:`Engine.backward`) waits; when all have, the
-  driver runs one ``torch.autograd.backward`` over the K losses. Round tokens (see
-  ``Engine._unit_forward_now``) make autograd finish unit u for every micro-batch before unit
-  u-1, so the engine fetches each unit once more, sums its gradients on the device and
-  downloads them once (``GradSink``);
+  driver runs one ``torch.autograd.backward`` over the K losses. Round tokens (:class:`Group`)
+  make autograd finish unit u for every micro-batch before unit u-1, so the engine fetches each
+  unit once more, sums its gradients on the device and downloads them once (``GradSink``);
 * then the coroutines return (Trainer's ``loss.detach()``), and :func:`run` returns their results.
 
 Nothing here knows about Trainer; the Trainer integration supplies the callables and routes
@@ -27,15 +26,60 @@ waiting.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import queue
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 _local = threading.local()
+
+
+@dataclass
+class Group:
+    """A layer-major accumulation group in progress: the round tokens that order its backward.
+
+    Round r's unit calls (the r-th call of every micro-batch) take as their anchor the sum of round
+    r-1's tokens (a zero scalar output of every call): autograd runs that sum's backward only after
+    every round-r call's backward, and every round-(r-1) call waits for it, so unit u finishes for
+    all micro-batches before unit u-1 starts (one upload, one gradient download per unit).
+    """
+
+    tokens: list = field(default_factory=list)  # round -> tokens of that round's unit calls
+    anchors: dict = field(default_factory=dict)  # round -> anchor its calls take (previous round's tokens, summed)
+    rounds: dict = field(default_factory=dict)  # coroutine index -> unit calls with a graph node so far
+    current: Any = None  # the coroutine whose unit call the driver is executing
+    backward_open: bool = False  # the group's one backward over all micro-batches is running
+
+    def anchor_for_call(self, leaf: torch.Tensor) -> torch.Tensor:
+        """The anchor of the current coroutine's next call (``leaf`` for its first round)."""
+        r = self.rounds.get(self.current.index, 0) if self.current is not None else 0
+        if r == 0:
+            return leaf
+        anchor = self.anchors.get(r)
+        if anchor is None:
+            tokens = self.tokens[r - 1]
+            anchor = tokens[0] if len(tokens) == 1 else torch.stack(tokens).sum()
+            self.anchors[r] = anchor
+        return anchor
+
+    def record(self, token: torch.Tensor) -> bool:
+        """Record the current coroutine's call token; False outside a coroutine's call."""
+        if self.current is None:
+            return False
+        r = self.rounds.get(self.current.index, 0)
+        self.rounds[self.current.index] = r + 1
+        while len(self.tokens) <= r:
+            self.tokens.append([])
+        self.tokens[r].append(token)
+        return True
+
+    def reset_rounds(self) -> None:
+        """After the group's backward: later unit calls (a second forward in the step) start a fresh chain."""
+        self.tokens, self.anchors, self.rounds = [], {}, {}
 
 
 class _Abort(BaseException):
@@ -127,9 +171,11 @@ class Coroutine:
         self._to_driver.put((kind, payload))
         return self._wait()
 
-    def call(self, u: int, args: tuple, kwargs: dict) -> Any:
-        """A streamed unit call, executed by the driver under this thread's grad/autocast state."""
-        return self.pause("call", (u, args, kwargs, _ThreadState.capture(self._device.type)))
+    def call(self, u: int, args: tuple, kwargs: dict, kernel: Any = None) -> Any:
+        """A streamed unit call, executed by the driver under this thread's grad/autocast state and in
+        its context (``contextvars``: e.g. HF's output capture reads one)."""
+        state = _ThreadState.capture(self._device.type)
+        return self.pause("call", (u, args, kwargs, kernel, state, contextvars.copy_context()))
 
     # ------------------------------------------------------------------ driver side
     def start(self) -> None:
@@ -165,12 +211,12 @@ def run(
     owner: object,
     device: torch.device,
     fns: list[Callable[[], Any]],
-    execute: Callable[[Coroutine, int, tuple, dict], Any],
+    execute: Callable[[Coroutine, int, tuple, dict, Any], Any],
     backward: Callable[[list[tuple[torch.Tensor, dict]]], None],
 ) -> list[Any]:
     """Run ``fns`` as interleaved coroutines; return their results in order.
 
-    ``execute(coroutine, u, args, kwargs)`` runs a unit call on the driver; ``backward(items)``
+    ``execute(coroutine, u, args, kwargs, kernel)`` runs a unit call on the driver; ``backward(items)``
     runs one backward over the ``(loss, kwargs)`` of every coroutine waiting in backward.
     """
     coroutines = [Coroutine(k, fn, owner, device) for k, fn in enumerate(fns)]
@@ -189,10 +235,10 @@ def run(
                 # gradients in the order plain accumulation adds them.
                 outcomes = {}
                 for c in reversed(calls):
-                    u, args, kwargs, state = c.message[1]
+                    u, args, kwargs, kernel, state, context = c.message[1]
                     try:
                         with state.enter(device.type):
-                            outcomes[c.index] = ("value", execute(c, u, args, kwargs))
+                            outcomes[c.index] = ("value", context.run(execute, c, u, args, kwargs, kernel))
                     except Exception as exc:  # raised inside the coroutine, at its unit call
                         outcomes[c.index] = ("raise", exc)
                 for c in calls:

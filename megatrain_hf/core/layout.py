@@ -1,0 +1,152 @@
+"""Where each tensor of a unit lives: its kind, its wire dtype and its place in the unit's flats.
+
+One layout rule serves the host store (which allocates the flats) and the memory planner (which
+counts their bytes before anything exists), so the two cannot disagree.
+
+Per unit, the trainable parameters share one fp32 flat (the *master*; the gradient accumulator and
+the AdamW moments have the same layout): first the tensors that cross the link in the compute
+dtype (their *staging* copy covers ``master[:n_staged]``), then the fp32-wire ones, each starting
+on a 64-byte boundary. Frozen parameters (PEFT base weights) live in one flat per wire dtype.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+ALIGN_ELEMS = 16
+"""Every tensor starts on a 64-byte boundary inside its flat (16 fp32 elements)."""
+
+LOSS_CHUNK_ELEMENTS = 1 << 26
+"""Logits per chunk of the chunked loss when ``loss_chunk_tokens`` is not set (256 MB in fp32); the
+memory planner sizes the GPU's logits from it."""
+
+
+def aligned(n: int) -> int:
+    """``n`` elements rounded up to the alignment."""
+    return (n + ALIGN_ELEMS - 1) // ALIGN_ELEMS * ALIGN_ELEMS
+
+
+def loss_chunk_tokens(configured: int | None, vocab: int) -> int:
+    """Tokens per chunk of the chunked loss: ``configured``, else about ``LOSS_CHUNK_ELEMENTS`` logits."""
+    if configured is not None:
+        return configured
+    return max(1, LOSS_CHUNK_ELEMENTS // max(1, vocab))
+
+
+class Kind(enum.Enum):
+    """What the store keeps for a tensor."""
+
+    TRAINABLE = "trainable"  # fp32 master, gradient accumulator, optimizer state
+    FROZEN = "frozen"  # one copy in its wire dtype (no gradient, no state)
+    BUFFER = "buffer"  # a module buffer: uploaded once, kept on the device
+
+
+def is_lora_name(name: str) -> bool:
+    """PEFT's LoRA matrices (``...lora_A.default.weight``)."""
+    return ".lora_" in f".{name}"
+
+
+def wire_dtype(
+    dtype: torch.dtype, ndim: int, compute_dtype: torch.dtype, *, embedding: bool, name: str = ""
+) -> torch.dtype:
+    """The dtype a tensor crosses the link in, and is computed with.
+
+    Matrices travel in the compute dtype; vectors (norms, biases), embedding tables and PEFT LoRA
+    matrices (PEFT casts the adapter's input to their dtype, so a bf16 copy would move LoRA dropout
+    and its backward to bf16) in fp32. This is what autocast does to an fp32 model -- matmul
+    weights rounded to bf16, embeddings, norms and the residual stream in fp32 -- which is why
+    bf16 runs match plain HF bf16 training instead of drifting with a bf16 residual stream.
+    """
+    if not dtype.is_floating_point:
+        return dtype
+    if ndim >= 2 and not embedding and not is_lora_name(name):
+        return compute_dtype
+    return torch.float32
+
+
+@dataclass(eq=False)
+class Entry:
+    """One tensor a unit needs at compute time."""
+
+    name: str  # dotted name inside the unit's module ("self_attn.q_proj.weight")
+    tensor: torch.Tensor  # the registered Parameter (or buffer) of the real module
+    kind: Kind
+    owner: int  # the unit whose flat holds it (a tied weight lives in one place)
+    wire: torch.dtype
+    offset: int = 0  # element offset inside the owner's master (trainable) or frozen flat
+    shape: torch.Size = field(default_factory=torch.Size)
+
+    @property
+    def numel(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def source(self) -> tuple[Kind, torch.dtype]:
+        """Which host flat of the owner it is sent from (see ``HostStore.source``)."""
+        return (Kind.FROZEN if self.kind is Kind.FROZEN else Kind.TRAINABLE, self.wire)
+
+
+@dataclass
+class TensorSpec:
+    """What the layout needs to know of a tensor (a real parameter, or one the planner imagines)."""
+
+    numel: int
+    trainable: bool
+    wire: torch.dtype
+    offset: int = 0  # set by :func:`lay_out`
+
+
+@dataclass
+class UnitSizes:
+    """Element counts of one unit's flats."""
+
+    n_train: int = 0  # master (= gradient = each moment) elements, alignment included
+    n_staged: int = 0  # master[:n_staged] crosses the link in the compute dtype (its staging copy)
+    frozen: dict[torch.dtype, int] = field(default_factory=dict)  # wire dtype -> frozen flat elements
+
+
+def lay_out(specs: list[TensorSpec]) -> UnitSizes:
+    """Assign every spec its offset in the unit's flats; return the flats' sizes."""
+    sizes = UnitSizes()
+    staged = [s for s in specs if s.trainable and s.wire != torch.float32]
+    fp32 = [s for s in specs if s.trainable and s.wire == torch.float32]
+    for s in staged:
+        s.offset = sizes.n_train
+        sizes.n_train += aligned(s.numel)
+    sizes.n_staged = sizes.n_train
+    for s in fp32:
+        s.offset = sizes.n_train
+        sizes.n_train += aligned(s.numel)
+    for s in specs:
+        if not s.trainable:
+            s.offset = sizes.frozen.get(s.wire, 0)
+            sizes.frozen[s.wire] = s.offset + aligned(s.numel)
+    return sizes
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def host_tiers(units: list[UnitSizes], compute_dtype: torch.dtype, *, staging: bool,
+               optimizer_state: bool = True) -> dict[str, int]:
+    """Host bytes per tier of units laid out by :func:`lay_out`.
+
+    ``staging``: whether the store keeps the compute-dtype copy (never for fp32 compute);
+    ``optimizer_state``: count HostAdamW's two fp32 moments per trainable element.
+    """
+    trainable = sum(s.n_train for s in units)
+    staged = sum(s.n_staged for s in units) if staging and compute_dtype != torch.float32 else 0
+    frozen = sum(n * dtype_bytes(d) for s in units for d, n in s.frozen.items())
+    moments = 4 * trainable if optimizer_state else 0
+    return {
+        "master": 4 * trainable,
+        "grad": 4 * trainable,
+        "exp_avg": moments,
+        "exp_avg_sq": moments,
+        "staging": staged * dtype_bytes(compute_dtype),
+        "frozen": frozen,
+    }

@@ -1,0 +1,229 @@
+"""Stateless layer templates: one weight-less copy of each distinct unit structure.
+
+A template is a deep copy of a real unit (decoder layer, embedding, ...) whose parameters and
+buffers are meta tensors: it costs no memory. Units of the same structure (same module types,
+same parameter names, shapes, dtypes and trainability) share one template. To compute unit ``u``
+the engine *binds* the template: it writes the device tensors of ``u`` into the template's
+parameter *slots* (views, no copy) and mirrors the real unit's plain attributes (``layer_idx``,
+``training``, sliding window, PEFT adapter switches, ...) so that the template behaves exactly as
+the real module would.
+
+Hooks: a template carries none of its own (a deep copy would carry the real modules' hooks into
+every layer that shares it). The real unit's own hooks run in its ``__call__`` as usual, since
+the engine replaces only its ``forward``; the hooks of the real unit's *sub-modules* (a user's hook
+on ``layers[0].mlp``, HF's output-capture hooks on the attention modules) are mirrored onto the
+template's sub-modules while it computes that unit. In the forward of a training call every hook
+runs once; the backward's recompute runs again only the forward (pre-)hooks that changed a value
+in the forward (returned something), so that the recomputed graph is the forward's, while hooks
+that only observe fire once, as they do in a plain forward. Backward hooks of sub-modules run in
+the recompute, the only pass with a graph.
+
+HF's own activation checkpointing is never used inside a template: the engine owns recompute
+(HF's would read the real module's host parameters).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+# nn.Module machinery that must not be mirrored from the real module into the template.
+_MODULE_INTERNALS = frozenset(
+    {
+        "_parameters",
+        "_buffers",
+        "_non_persistent_buffers_set",
+        "_modules",
+        "_is_full_backward_hook",
+        *_HOOK_DICTS,
+        "forward",  # the engine replaces the real unit's forward; the template keeps its class's
+        "gradient_checkpointing",  # forced off in templates, see module docstring
+        "_gradient_checkpointing_func",
+        "_hf_hook",
+        "_old_forward",
+        "__getstate__",  # the engine's pickling guard on real modules
+    }
+)
+
+
+def structure_key(module: nn.Module) -> tuple:
+    """What two units must share to use one template."""
+    mods = tuple((name, type(m)) for name, m in module.named_modules())
+    params = tuple(
+        (name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in module.named_parameters(remove_duplicate=False)
+    )
+    bufs = tuple((name, tuple(b.shape), b.dtype) for name, b in module.named_buffers())
+    return mods, params, bufs
+
+
+def _is_shared_config(value: object) -> bool:
+    """HF model configs: shared with the real module, never duplicated (duck-typed: no transformers import)."""
+    return hasattr(value, "to_dict") and hasattr(value, "model_type")
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    memo: dict[int, object] = {}
+    for _, p in module.named_parameters(remove_duplicate=False):
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    for m in module.modules():
+        for name in (*_HOOK_DICTS, "forward", "__getstate__"):  # never copied: see module docstring
+            value = vars(m).get(name)
+            if value is not None:
+                memo[id(value)] = OrderedDict() if name in _HOOK_DICTS else None
+        for value in vars(m).values():
+            if _is_shared_config(value):
+                memo[id(value)] = value
+    template = copy.deepcopy(module, memo)
+    for m in template.modules():
+        for name in ("forward", "__getstate__"):
+            if vars(m).get(name, 0) is None:
+                del m.__dict__[name]
+        for name in _HOOK_DICTS:
+            if name in vars(m):
+                m.__dict__[name] = OrderedDict()
+        m.__dict__["_is_full_backward_hook"] = None
+        if "gradient_checkpointing" in vars(m) or hasattr(type(m), "gradient_checkpointing"):
+            m.gradient_checkpointing = False
+    return template
+
+
+@dataclass
+class _Slot:
+    module: nn.Module  # the template submodule that owns the tensor
+    attr: str  # its name there
+    is_buffer: bool
+
+
+@dataclass
+class Mirror:
+    """What binding copies from one real unit: (template submodule, real submodule, plain attribute
+    names) per submodule, the root first."""
+
+    pairs: list[tuple[nn.Module, nn.Module, tuple[str, ...]]]
+
+
+@dataclass
+class HookRecord:
+    """The forward (pre-)hooks of sub-modules that changed a value in a call's forward: the ones its
+    recompute runs again (keyed by submodule index and hook id)."""
+
+    modifying: set[tuple[int, int]] = field(default_factory=set)
+
+
+def _recording(hook, key: tuple[int, int], record: HookRecord):
+    def run(*args, **kwargs):
+        result = hook(*args, **kwargs)
+        if result is not None:
+            record.modifying.add(key)
+        return result
+
+    return run
+
+
+class Template:
+    """A weight-less module plus the slots that binding fills."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = _meta_copy(module)
+        self.slots: dict[str, _Slot] = {}
+        named = dict(self.module.named_modules())
+        for name, _ in module.named_parameters(remove_duplicate=False):
+            owner, _, attr = name.rpartition(".")
+            self.slots[name] = _Slot(named[owner], attr, False)
+        for name, _ in module.named_buffers():
+            owner, _, attr = name.rpartition(".")
+            self.slots[name] = _Slot(named[owner], attr, True)
+        self._template_modules = [m for _, m in self.module.named_modules()]
+
+    def mirror_of(self, real: nn.Module) -> Mirror:
+        """Precomputed pairs to mirror at bind."""
+        pairs = []
+        for t_mod, (_, r_mod) in zip(self._template_modules, real.named_modules()):
+            keys = tuple(k for k in vars(r_mod) if k not in _MODULE_INTERNALS)
+            pairs.append((t_mod, r_mod, keys))
+        return Mirror(pairs)
+
+    def bind(self, tensors: dict[str, torch.Tensor], mirror: Mirror, hooks: HookRecord | None = None,
+             recompute: bool = False) -> nn.Module:
+        """Point every slot at ``tensors[name]`` and mirror the real unit's state; returns the module.
+
+        ``hooks``: the call's record of modifying hooks (see module docstring); ``recompute``:
+        binding for the backward's recompute (with grad).
+        """
+        for i, (t_mod, r_mod, keys) in enumerate(mirror.pairs):
+            r_vars = r_mod.__dict__
+            t_vars = t_mod.__dict__
+            for k in keys:
+                t_vars[k] = r_vars[k]
+            if i:  # sub-modules: their hooks (the root's ran in the real unit's __call__)
+                self._mirror_hooks(i, t_vars, r_vars, hooks, recompute)
+        for name, slot in self.slots.items():
+            table = slot.module._buffers if slot.is_buffer else slot.module._parameters
+            table[slot.attr] = tensors[name]
+        return self.module
+
+    @staticmethod
+    def _mirror_hooks(i: int, t_vars: dict, r_vars: dict, record: HookRecord | None, recompute: bool) -> None:
+        if not any(r_vars.get(name) for name in ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
+                                                  "_backward_pre_hooks")):
+            if any(t_vars.get(name) for name in _HOOK_DICTS):
+                for name in _HOOK_DICTS:
+                    t_vars[name] = OrderedDict()
+            return
+        for name in ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            t_vars[name] = r_vars[name]
+        for name in _FORWARD_HOOKS:
+            real = r_vars[name]
+            if record is None:  # a call without a recompute (no grad): every hook, once
+                t_vars[name] = real
+            elif not recompute:
+                t_vars[name] = OrderedDict((hid, _recording(h, (i, hid), record)) for hid, h in real.items())
+            else:
+                t_vars[name] = OrderedDict((hid, h) for hid, h in real.items() if (i, hid) in record.modifying)
+        for name in ("_backward_pre_hooks", "_backward_hooks"):
+            t_vars[name] = r_vars[name] if recompute else OrderedDict()
+        t_vars["_is_full_backward_hook"] = r_vars.get("_is_full_backward_hook") if recompute else None
+
+    def unbind(self) -> None:
+        """Drop references to device tensors so their memory can be reused."""
+        for slot in self.slots.values():
+            table = slot.module._buffers if slot.is_buffer else slot.module._parameters
+            table[slot.attr] = None
+
+
+class TemplateCache:
+    """One template per distinct structure."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[tuple, Template] = {}
+
+    def get(self, module: nn.Module) -> Template:
+        key = structure_key(module)
+        template = self._by_key.get(key)
+        if template is None:
+            template = Template(module)
+            self._by_key[key] = template
+        return template
+
+    def __len__(self) -> int:
+        return len(self._by_key)

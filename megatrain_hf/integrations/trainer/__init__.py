@@ -1,0 +1,11 @@
+"""Hugging Face ``Trainer`` integration: ``MegaTrainPlugin``, ``enable()`` / ``disable()``.
+
+``install.py`` wraps ``Trainer.__init__`` (on first use), ``plugin.py`` is the callback,
+``overrides.py`` the per-instance overrides, ``layer_major.py`` the accumulation driver,
+``checkpoints.py`` the optimizer state and atomic checkpoint folders.
+"""
+
+from .install import disable, enable, install, is_enabled, uninstall
+from .plugin import MegaTrainPlugin
+
+__all__ = ["MegaTrainPlugin", "disable", "enable", "install", "is_enabled", "uninstall"]

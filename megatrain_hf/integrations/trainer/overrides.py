@@ -1,0 +1,152 @@
+"""The per-instance overrides a Trainer with megatrain gets (the class is untouched).
+
+Public hooks where they exist:
+
+* ``create_optimizer``: a plain AdamW that Trainer builds becomes :class:`HostAdamW` with the same
+  groups and hyper-parameters (same math; the LR scheduler Trainer creates next drives it). An
+  optimizer passed in ``optimizers=(opt, scheduler)`` stays bound to its scheduler: it is kept,
+  and steps the host parameters synchronously after backward (logged).
+* ``train`` / ``evaluate`` / ``predict``: TRL's fused LM head is taken over first (TRL adds it
+  after ``Trainer.__init__``); ``train`` refuses an empty dataset with a clear message.
+* ``accelerator.clip_grad_norm_`` (Trainer's clipping and gradient-norm logging both call it):
+  the global norm comes from the per-unit norms the gradient sink computed; with HostAdamW the
+  clip is a multiply inside the background update (exactly ``clip_grad_norm_``'s multiply), or
+  applied to the gradients at once when a callback could observe them (it overrides
+  ``on_pre_optimizer_step`` or ``on_optimizer_step``). A non-finite norm skips the update.
+* ``accelerator.prepare_optimizer``: HostAdamW's state is not copied to the device and back.
+
+Checkpoint and layer-major overrides live in ``checkpoints.py`` and ``layer_major.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from transformers import Trainer
+
+from ...core.patcher import Patcher
+from ...optim.host_adamw import HostAdamW, convertible
+from . import checkpoints, layer_major
+from .checkpoints import host_adamw
+
+logger = logging.getLogger(__name__)
+
+
+def install(patcher: Patcher, plugin, trainer) -> None:
+    _install_optimizer(patcher, plugin, trainer)
+    _install_entry_points(patcher, plugin, trainer)
+    _install_accelerator(patcher, plugin, trainer)
+    checkpoints.install(patcher, trainer)
+    layer_major.install(patcher, plugin, trainer)
+    engine = plugin.engine
+    if plugin.config.chunked_loss == "auto" and type(trainer) is Trainer:
+        # plain Trainer reads only the loss of a training forward; subclasses may read logits
+        engine.chunked_loss_active = engine.chunked_loss_installed
+
+
+def _install_optimizer(patcher: Patcher, plugin, trainer) -> None:
+    original = trainer.create_optimizer
+
+    def create_optimizer(model=None):
+        supplied = trainer.optimizer is not None  # Trainer(optimizers=(opt, ...)) set it in __init__
+        optimizer = original(model) if model is not None else original()
+        engine = plugin.engine
+        if not plugin.config.replace_adamw or not convertible(optimizer):
+            return optimizer
+        if supplied and trainer.lr_scheduler is not None:
+            plugin.log_once(logging.INFO, "megatrain: the optimizer and scheduler passed in Trainer(optimizers=...) "
+                            "are kept (the scheduler drives that optimizer); it steps the host parameters "
+                            "synchronously after backward. Pass optim='adamw_torch_fused' instead (or no scheduler) "
+                            "for megatrain's HostAdamW, updated in the background.")
+            return optimizer
+        trainer.optimizer = _host_optimizer(plugin, optimizer)
+        logger.info("megatrain: AdamW runs as HostAdamW on the host flats (same math)")
+        return trainer.optimizer
+
+    patcher.set_attr(trainer, "create_optimizer", create_optimizer)
+
+
+def _host_optimizer(plugin, optimizer: torch.optim.Optimizer) -> HostAdamW:
+    engine, config = plugin.engine, plugin.config
+    kwargs = dict(host_threads=engine.host_threads, kernel=config.resolve_host_adamw_kernel(engine.device),
+                  device=engine.device)
+    if config.device_update:
+        from ...optim.device_update import DeviceShareAdamW
+
+        # the device's units keep their gradients on the GPU, unless a GPU budget has no room planned for them
+        sink = engine.grads if engine.budget.budget is None else None
+        return DeviceShareAdamW.from_optimizer(optimizer, engine.store, grad_sink=sink, stats=engine.stats, **kwargs)
+    return HostAdamW.from_optimizer(optimizer, engine.store, **kwargs)
+
+
+def _install_entry_points(patcher: Patcher, plugin, trainer) -> None:
+    def wrapped(name: str, check=None):
+        original = getattr(trainer, name)
+
+        def method(*args, **kwargs):
+            if check is not None:
+                check()
+            plugin.adopt_trl_fused_head()
+            return original(*args, **kwargs)
+
+        patcher.set_attr(trainer, name, method)
+
+    def check_dataset():
+        # Trainer's own message for this is the sampler's "num_samples should be a positive integer"
+        from transformers.trainer_utils import has_length
+
+        dataset = trainer.train_dataset
+        if dataset is not None and has_length(dataset) and len(dataset) == 0:
+            raise ValueError(
+                f"megatrain: train_dataset ({type(dataset).__name__}) is empty: 0 examples to train on. "
+                "Fix: check the split and the filtering / packing that built it (e.g. examples longer than "
+                "max_length dropped, a wrong split name)."
+            )
+
+    wrapped("train", check_dataset)
+    wrapped("evaluate")
+    wrapped("predict")
+
+
+def _install_accelerator(patcher: Patcher, plugin, trainer) -> None:
+    accelerator = trainer.accelerator
+    original_clip = accelerator.clip_grad_norm_
+    original_prepare_optimizer = accelerator.prepare_optimizer
+
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        optimizer = host_adamw(trainer)
+        engine = plugin.engine
+        if optimizer is None or engine is None or float(norm_type) != 2.0:
+            return original_clip(parameters, max_norm, norm_type)
+        norm = engine.grads.global_norm()  # every gradient is on the host once backward returned
+        if not bool(torch.isfinite(norm)):
+            plugin.skip_step(trainer, optimizer, norm)
+            return norm
+        if math.isinf(float(max_norm)):  # Trainer only measures the norm (max_grad_norm=0)
+            return norm
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ computes it
+        if plugin.observers(trainer, "on_pre_optimizer_step", "on_optimizer_step"):
+            plugin.log_once(logging.INFO, "megatrain: a callback observes the gradients before/after the optimizer "
+                            "step: clipping is applied to them at once instead of inside the background update")
+            store = engine.store
+            grads = [e.tensor.grad for u in range(len(store.entries)) for e in store.owned_trainable(u)
+                     if e.tensor.grad is not None]
+            if float(coef) < 1.0 and grads:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
+        else:
+            optimizer.set_clip_coef(coef)
+        return norm
+
+    def prepare_optimizer(optimizer, device_placement=None):
+        # HostAdamW's state lives in the host store: with device placement, accelerate would copy the
+        # whole state to the GPU and load it back (as much host RSS and GPU memory, and time)
+        if isinstance(optimizer, HostAdamW):
+            device_placement = False
+        return original_prepare_optimizer(optimizer, device_placement=device_placement)
+
+    patcher.set_attr(accelerator, "clip_grad_norm_", clip_grad_norm_)
+    patcher.set_attr(accelerator, "prepare_optimizer", prepare_optimizer)
+    gradient_state = accelerator.gradient_state
+    plugin.engine.set_final_microbatch(lambda: bool(gradient_state.sync_gradients))

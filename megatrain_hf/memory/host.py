@@ -1,0 +1,157 @@
+"""Host RAM before allocating: what a model's units need, what is available, and the refusal.
+
+:func:`host_breakdown_for_units` counts the real modules exactly as the host store will lay them
+out (``core/layout.py``), :func:`check_host_memory` raises ``MemoryError`` with the arithmetic and
+the fix, and :func:`admit` is the engine's admission check, which also settles
+``host_staging="auto"``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from ..core.layout import TensorSpec, host_tiers, lay_out, wire_dtype
+
+logger = logging.getLogger(__name__)
+
+GiB = 2**30
+
+DEFAULT_HEADROOM_BYTES = 2 * GiB
+"""Host RAM left free on top of the plan: the Python process, torch, the tokenizer, the data
+loader and the OS page cache need some."""
+
+TIER_LABELS = {
+    "master": "fp32 master weights",
+    "grad": "fp32 gradient accumulators",
+    "exp_avg": "AdamW exp_avg (fp32)",
+    "exp_avg_sq": "AdamW exp_avg_sq (fp32)",
+    "staging": "compute-dtype staging copies",
+    "frozen": "frozen weights (wire dtype)",
+    "checkpoints": "offloaded activation checkpoints",
+}
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def available_host_bytes() -> int:
+    """Host RAM available to a new allocation now (``psutil.virtual_memory().available``)."""
+    return int(psutil.virtual_memory().available)
+
+
+def _check_int(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
+    return value
+
+
+def host_breakdown_for_units(
+    units: list[tuple[str, torch.nn.Module]],
+    *,
+    compute_dtype: torch.dtype,
+    staging: bool = True,
+    embedding_units: frozenset[int] = frozenset({0}),
+    optimizer_state: bool = True,
+) -> dict[str, int]:
+    """Exact host bytes per tier for real modules, walked the way ``HostStore`` walks them.
+
+    ``staging``: whether the store keeps a compute-dtype copy (it never does for fp32 compute);
+    ``optimizer_state``: count ``HostAdamW``'s two fp32 moments per trainable element. Tied
+    parameters (one tensor in two units) are counted once, frozen ones in their wire dtype only.
+    """
+    seen: set[int] = set()
+    sizes = []
+    for u, (_, module) in enumerate(units):
+        specs = []
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in seen:  # tied: lives in the first unit that has it
+                continue
+            seen.add(id(p))
+            wire = wire_dtype(p.dtype, p.ndim, compute_dtype, embedding=u in embedding_units, name=name)
+            specs.append(TensorSpec(p.numel(), p.requires_grad, wire))
+        sizes.append(lay_out(specs))
+    return host_tiers(sizes, compute_dtype, staging=staging, optimizer_state=optimizer_state)
+
+
+def check_host_memory(
+    needed_bytes: int,
+    breakdown: dict[str, int],
+    available: int | None = None,
+    headroom_bytes: int = DEFAULT_HEADROOM_BYTES,
+) -> int:
+    """Raise ``MemoryError`` (with the arithmetic and the fix) unless ``needed_bytes`` plus
+    ``headroom_bytes`` fit in ``available`` (default: :func:`available_host_bytes`).
+
+    ``breakdown`` maps tier names (``master``, ``grad``, ... or any label) to bytes; it is shown in
+    the message. Returns the bytes to spare.
+    """
+    _check_int("needed_bytes", needed_bytes, 0)
+    _check_int("headroom_bytes", headroom_bytes, 0)
+    if available is None:
+        available = available_host_bytes()
+    spare = available - needed_bytes - headroom_bytes
+    if spare >= 0:
+        logger.info(
+            "host memory: %.2f GiB needed + %.2f GiB headroom <= %.2f GiB available (%.2f GiB to spare)",
+            needed_bytes / GiB, headroom_bytes / GiB, available / GiB, spare / GiB,
+        )
+        return spare
+    width = max([len(TIER_LABELS.get(k, k)) for k in breakdown] + [28])
+    rows = [f"  {TIER_LABELS.get(k, k):<{width}} {gib(v):>9} GiB" for k, v in breakdown.items()]
+    listed = sum(breakdown.values())
+    if listed != needed_bytes:
+        rows.append(f"  {'other':<{width}} {gib(needed_bytes - listed):>9} GiB")
+    rows += [
+        f"  {'= needed':<{width}} {gib(needed_bytes):>9} GiB",
+        f"  {'+ headroom (process, data, OS)':<{width}} {gib(headroom_bytes):>9} GiB",
+        f"  {'= required':<{width}} {gib(needed_bytes + headroom_bytes):>9} GiB",
+        f"  {'available now':<{width}} {gib(available):>9} GiB",
+        f"  {'short by':<{width}} {gib(-spare):>9} GiB",
+    ]
+    message = (
+        f"megatrain needs {gib(needed_bytes)} GiB of host RAM (+ {gib(headroom_bytes)} GiB headroom) but only "
+        f"{gib(available)} GiB is available:\n" + "\n".join(rows) + "\n"
+        "Fix: train a smaller model (fewer layers or a smaller preset; `megatrain estimate` prints the "
+        "largest that fits), use LoRA/PEFT (frozen base weights cost 2 B/param in bf16 instead of ~18 B), "
+        "free RAM held by other processes, or use a machine with more RAM. If this machine grants more "
+        "than it reports available (some VMs grow their RAM as it is used), "
+        "MegaTrainConfig(check_host_memory=False) skips the check."
+    )
+    raise MemoryError(message)
+
+
+def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
+          host_staging: bool | str, optimizer_state: bool) -> bool:
+    """Raise with the arithmetic before allocating, rather than meet the OOM killer later.
+
+    Returns whether to keep the host staging copy: with ``host_staging="auto"`` it is dropped when
+    that is what makes the plan fit.
+    """
+    # The model's current tensors are released as they move into the store.
+    current = sum(p.numel() * p.element_size() for _, m in units for p in m.parameters())
+    available = available_host_bytes() + current
+
+    def check(staging: bool) -> None:
+        breakdown = host_breakdown_for_units(units, compute_dtype=compute_dtype, staging=staging,
+                                             embedding_units=embedding_units, optimizer_state=optimizer_state)
+        check_host_memory(sum(breakdown.values()), breakdown, available=available)
+
+    if host_staging is False:
+        check(False)
+        return False
+    try:
+        check(True)
+        return True
+    except MemoryError:
+        if host_staging is True or compute_dtype == torch.float32:
+            raise
+        check(False)  # raises (with the smaller plan's arithmetic) if even that does not fit
+        logger.info(
+            "megatrain: host_staging='auto' drops the bf16 host copy of the weights (2 B/param) so that "
+            "the plan fits this machine's RAM; the fp32 masters are sent and rounded on the GPU"
+        )
+        return False

@@ -1,0 +1,77 @@
+"""The memory options (part of ``MegaTrainConfig``)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import torch
+
+_SIZE_UNITS = {"B": 1, "MB": 10**6, "MiB": 2**20, "GB": 10**9, "GiB": 2**30, "TB": 10**12, "TiB": 2**40}
+
+
+def parse_size(name: str, value) -> int | None:
+    """``value`` (None, a positive byte count, or a size such as ``"24GiB"``) in bytes."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", value)
+        if match and float(match.group(1)) > 0:
+            return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or "B"])
+    raise ValueError(
+        f"MegaTrainConfig.{name}={value!r}; allowed: None, a positive byte count, or a size such as "
+        "'24GiB', '20GB', '512MiB'."
+    )
+
+
+@dataclass(kw_only=True)
+class MemoryOptions:
+    pin_memory: bool | Literal["auto"] = "auto"
+    """Page-lock the host flats (`cudaHostRegister`, no power-of-two rounding) so that transfers
+    run at full link speed: `"auto"` pins when the compute device is CUDA. If the OS refuses,
+    the engine raises with the size asked for (see docs/troubleshooting.md)."""
+
+    host_staging: bool | Literal["auto"] = "auto"
+    """Keep a compute-dtype (bf16) copy of the matrix masters in host RAM (2 B/param, refreshed by
+    the update) and send that over the link, or send the fp32 masters and round them to bf16 on
+    the GPU (same bits; no host copy, twice the bytes up the link, a shorter update). `"auto"`: keep
+    the copy unless the host plan does not fit in the RAM available with it but fits without it
+    (logged): 16 instead of 18 bytes per trainable parameter. Which is faster depends on the link
+    and the accumulation: see docs/benchmarks.md."""
+
+    max_gpu_memory: Annotated[str | int | None, parse_size] = None
+    """GPU memory budget for this process, e.g. `"24GiB"`, `"20GB"` or a byte count; `None`: no
+    budget. The engine caps PyTorch's allocator there (`torch.cuda.set_per_process_memory_fraction`),
+    switches it to expandable segments (unless `PYTORCH_ALLOC_CONF` or `PYTORCH_CUDA_ALLOC_CONF` say
+    otherwise) and sizes the layer-major schedule to it: the first optimizer step runs its
+    micro-batches one at a time and measures the GPU peak and the activation-checkpoint bytes of a
+    micro-batch; later steps run as many micro-batches per group as fit
+    (`megatrain/microbatches_in_flight` with `metrics="all"`). One micro-batch at a time is the
+    floor: if that does not fit, reduce the micro-batch or the sequence length, or set
+    `offload_checkpoints=True`."""
+
+    offload_checkpoints: bool | Literal["auto"] = "auto"
+    """Keep each layer's activation checkpoint (its fp32 input, `tokens x hidden x 4` bytes) in
+    pinned host memory between forward and backward instead of on the GPU: copied down while the
+    next layer computes, brought back ahead of its backward. GPU memory then stays flat with depth
+    and with the micro-batches in flight; host RAM holds `(layers + 2) x micro-batches in flight x
+    tokens x hidden x 4` bytes more, and the link carries them twice. Exact (same bytes back).
+    `"auto"`: off, unless `max_gpu_memory`'s plan fits fewer micro-batches per group than the
+    step has and the host RAM can take the checkpoints of two; then on (logged), and the budget
+    measures again."""
+
+    check_host_memory: bool = True
+    """Before allocating, compare the host bytes the plan needs with the RAM available and raise
+    with the arithmetic if it does not fit. Turn off only where the OS reports less available
+    memory than it will grant (e.g. VMs whose RAM grows on use): offloaded activation checkpoints
+    then also take what they need without asking the OS first."""
+
+    def gpu_memory_bytes(self) -> int | None:
+        """``max_gpu_memory`` in bytes (None without a budget)."""
+        return parse_size("max_gpu_memory", self.max_gpu_memory)
+
+    def resolve_pin(self, device: torch.device) -> bool:
+        return device.type == "cuda" if self.pin_memory == "auto" else bool(self.pin_memory)

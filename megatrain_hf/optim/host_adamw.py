@@ -1,0 +1,340 @@
+"""HostAdamW: AdamW on the host store's flats, unit by unit, in a background thread.
+
+Same math as ``torch.optim.AdamW(fused=True)`` (the Trainer's default ``adamw_torch_fused``): the
+same kernel runs on the same tensors, so results are bitwise equal (``kernel="native"``: one pass
+over memory with torch's arithmetic op for op, see ``kernels.py``). What differs is where the
+state lives: ``exp_avg`` / ``exp_avg_sq`` are one contiguous fp32 flat per unit, laid out like the
+unit's master flat, so the update runs unit by unit (unit 0 first) and the state is saved and
+loaded per unit. ``step()`` snapshots hyper-parameters and gradients and returns; the next
+forward's fetch of unit ``u`` waits for unit ``u``'s update only (``core/readiness.py``).
+
+NOTE: it subclasses ``torch.optim.Optimizer`` so that HF's LR schedulers, ``zero_grad`` and
+``state_dict`` work unchanged; its ``state_dict`` has the layout of ``torch.optim.AdamW``'s.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+from ..core.layout import Entry, Kind
+from ..core.readiness import zero_grad_after
+from ..core.store import HostStore
+from ..core.workers import start_worker
+from .kernels import GroupWork, UnitJob, native_update, torch_update
+
+logger = logging.getLogger(__name__)
+
+_ADAMW_KEYS = frozenset(
+    {"params", "lr", "betas", "eps", "weight_decay", "maximize", "amsgrad", "foreach", "fused", "capturable",
+     "differentiable", "decoupled_weight_decay"}
+)
+
+
+class HostAdamW(torch.optim.Optimizer):
+    marks_store_dirty = True  # tells the engine's global step hook not to re-stage everything
+
+    def __init__(
+        self,
+        params,
+        store: HostStore,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        maximize: bool = False,
+        host_threads: int | None = None,
+        kernel: str = "torch",
+        device: torch.device | None = None,
+    ) -> None:
+        if not 0.0 <= eps:
+            raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"HostAdamW betas={betas}: each must be in [0, 1)")
+        if weight_decay < 0.0:
+            raise ValueError(f"HostAdamW weight_decay={weight_decay}: must be >= 0")
+        if kernel not in ("torch", "native"):
+            raise ValueError(f"HostAdamW kernel={kernel!r}; allowed: 'torch' or 'native'")
+        self.store = store
+        self.device = device if device is not None else torch.device("cpu")  # where the uploads run
+        self._native = None
+        if kernel == "native":
+            from . import native
+
+            self._native = native.host_adamw()  # None (warned) if it cannot be built here
+        self.kernel = "native" if self._native is not None else "torch"
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
+        super().__init__(params, defaults)
+        self._build_state()
+        self._clip: torch.Tensor | None = None
+        self._skip_next = False
+        self.skipped_steps = 0  # updates skipped through skip_next_step() (non-finite gradients)
+        # time spent in unit updates and the elements they updated (read and reset by take_update_stats)
+        self._stats_lock = threading.Lock()
+        self._update_s, self._updated_numel = 0.0, 0
+        self._cond = threading.Condition()
+        self._pending = 0
+        self._queue: collections.deque[UnitJob] = collections.deque()
+        self._wake: queue.Queue = queue.Queue()
+        self._worker = start_worker(self, self._wake, "_drain", host_threads or torch.get_num_threads(),
+                                    "megatrain-adamw")
+
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, store: HostStore, **kwargs) -> "HostAdamW":
+        """A HostAdamW with ``optimizer``'s param groups and hyper-parameters (a fresh AdamW)."""
+        groups = []
+        for g in optimizer.param_groups:
+            groups.append(
+                {k: g[k] for k in ("params", "lr", "betas", "eps", "weight_decay", "maximize") if k in g}
+                | {k: v for k, v in g.items() if k not in _ADAMW_KEYS}
+            )
+        # defaults too: some schedulers read them (polynomial decay reads defaults["lr"])
+        defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "maximize")}
+        return cls(groups, store, **defaults, **kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_plan", None) is not None:
+            raise RuntimeError("HostAdamW does not accept new parameter groups after construction")
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ state
+    def _build_state(self) -> None:
+        plan: dict[int, dict[int, list[Entry]]] = defaultdict(lambda: defaultdict(list))
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                home = self.store.home_of(p)
+                if home is None or home[1].kind is not Kind.TRAINABLE:
+                    raise ValueError(
+                        f"HostAdamW got a parameter (shape {tuple(p.shape)}) that the megatrain host store "
+                        "does not hold as trainable; pass the parameters of the attached model."
+                    )
+                plan[home[0]][gi].append(home[1])
+        self._plan = {u: dict(groups) for u, groups in sorted(plan.items())}
+        self._exp_avg: dict[int, torch.Tensor] = {}
+        self._exp_avg_sq: dict[int, torch.Tensor] = {}
+        # one step counter per parameter, as torch's AdamW: a parameter without a gradient in a
+        # step keeps its count (and its bias correction)
+        self._steps: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for u, groups in self._plan.items():
+            numel = self.store.buffers[u].master_host.numel()
+            self._exp_avg[u] = self.store.allocate(numel, torch.float32).zero_()
+            self._exp_avg_sq[u] = self.store.allocate(numel, torch.float32).zero_()
+            for gi, entries in groups.items():
+                self._steps[(u, gi)] = [torch.zeros((), dtype=torch.float32) for _ in entries]
+        self._build_state_views()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Copy a saved state into the host flats, tensor by tensor, from any device.
+
+        torch's ``load_state_dict`` first builds new tensors for the whole state on the
+        parameters' device: a second full copy of the moments (8 bytes/param) in host RAM.
+        """
+        self.synchronize()
+        saved = state_dict["state"]
+        # torch validates the groups (sizes, hooks) and maps the saved ids to parameters by position
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        loaded = {p: saved[i] for i, p in zip(ids, params) if i in saved}
+        self._build_state_views()
+        for u, groups in self._plan.items():
+            for gi, entries in groups.items():
+                for e, step in zip(entries, self._steps[(u, gi)]):
+                    src = loaded.get(e.tensor, {})
+                    step.fill_(float(src["step"]) if "step" in src else 0.0)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        if key in src:
+                            self.state[e.tensor][key].copy_(src[key].reshape(e.shape))
+                        else:  # no saved state: a fresh start, as torch's AdamW would make
+                            self.state[e.tensor][key].zero_()
+
+    def _build_state_views(self) -> None:
+        for u, groups in self._plan.items():
+            for gi, entries in groups.items():
+                for e, step in zip(entries, self._steps[(u, gi)]):
+                    self.state[e.tensor] = {
+                        "step": step,
+                        "exp_avg": self._exp_avg[u][e.offset : e.offset + e.numel].view(e.shape),
+                        "exp_avg_sq": self._exp_avg_sq[u][e.offset : e.offset + e.numel].view(e.shape),
+                    }
+
+    # ------------------------------------------------------------------ update
+    def set_clip_coef(self, coef: torch.Tensor | None) -> None:
+        """Multiply the gradients by ``coef`` (< 1: clipping) in the next update, unit by unit,
+        exactly as ``torch.nn.utils.clip_grad_norm_`` multiplies them (bitwise-equal results)."""
+        self._clip = None if coef is None or float(coef) >= 1.0 else coef.detach().to(torch.float32).cpu()
+
+    def skip_next_step(self) -> None:
+        """Make the next ``step()`` a no-op: masters, moments and step counts stay as they are.
+
+        The Trainer integration calls it when the global gradient norm is inf/nan, so that one bad
+        batch cannot turn the weights into nan (plain ``torch.optim.AdamW`` would apply it).
+        """
+        self._skip_next = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Snapshot hyper-parameters and gradients now; update unit by unit in the background.
+
+        Returns at once: unit 0 is updated first, and the engine's next fetch of a unit waits for
+        that unit only, so the update overlaps the next forward.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronize()
+        clip, self._clip = self._clip, None
+        if self._skip_next:
+            self._skip_next = False
+            self.skipped_steps += 1
+            self._skipped()
+            return loss
+        if not self._workers_alive():
+            self._skipped()
+            raise RuntimeError(
+                "HostAdamW worker thread is not running (the optimizer was closed, or the thread ended); "
+                "build a new optimizer or restart from the last checkpoint"
+            )
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no upload still reads a staging flat the update rewrites
+        jobs = []  # snapshot everything first: a failure here leaves no unit marked busy
+        for u, groups in self._plan.items():
+            work = [w for w in (self._snapshot(gi, entries, clip) for gi, entries in groups.items()) if w is not None]
+            if work:
+                jobs.append(UnitJob(u, work))
+        self._dispatch(jobs)
+        return loss
+
+    def _snapshot(self, gi: int, entries: list[Entry], clip: torch.Tensor | None) -> GroupWork | None:
+        group = self.param_groups[gi]
+        updated = [e for e in entries if e.tensor.grad is not None]
+        if not updated:
+            return None
+        states = [self.state[e.tensor] for e in updated]
+        lr = group["lr"]
+        return GroupWork(
+            entries=updated,
+            steps=[s["step"] for s in states],
+            params=[e.tensor for e in updated],
+            grads=[e.tensor.grad for e in updated],
+            exp_avgs=[s["exp_avg"] for s in states],
+            exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+            lr=lr.clone() if isinstance(lr, torch.Tensor) else lr,
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            clip=clip,
+        )
+
+    def _skipped(self) -> None:
+        """A step that updates nothing (a subclass frees what it prepared for it)."""
+
+    def _dispatch(self, jobs: list[UnitJob]) -> None:
+        """Mark the step's units busy and hand them to the host worker, unit 0 first."""
+        for job in jobs:
+            self.store.gates.begin_update(job.unit, self._worker)
+        with self._cond:
+            self._pending += len(jobs)
+            self._queue.extend(jobs)
+        self._wake.put(True)
+
+    def _drain(self, _wake) -> None:
+        """(host worker) Run the queued jobs in order."""
+        while True:
+            with self._cond:
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+            self._run(job)
+
+    def _run(self, job: UnitJob, on_device: bool = False) -> None:
+        """Run one job on this thread and mark its unit ready (with its error, if it failed)."""
+        self.store.gates.claim_update(job.unit, threading.current_thread())
+        error = None
+        start = time.perf_counter()
+        try:
+            with torch.profiler.record_function(f"megatrain.update{'_device' if on_device else ''}[{job.unit}]"):
+                self._update(job, on_device)
+        except BaseException as exc:  # surfaced in the training thread by the next wait
+            logger.exception("HostAdamW update of unit %d failed", job.unit)
+            error = exc
+        finally:
+            self._account(job, on_device, time.perf_counter() - start)
+            self.store.gates.end_update(job.unit, error)
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def _update(self, job: UnitJob, on_device: bool) -> None:
+        u = job.unit
+        staging_was_fresh = self.store.staging_fresh(u)
+        for w in job.work:
+            if self._native is not None:
+                native_update(self._native, w, [self.store.staging_slice(e) for e in w.entries])
+            else:
+                torch_update(w)
+        self.store.mark_dirty(u)
+        if self._native is not None and staging_was_fresh:
+            self.store.staging_written(u)  # the kernel wrote the copy of every master it changed
+        else:
+            self.store.stage(u)  # the compute-dtype copy, while the masters are warm in cache
+
+    def _account(self, job: UnitJob, on_device: bool, elapsed: float) -> None:
+        with self._stats_lock:
+            self._update_s += elapsed
+            self._updated_numel += job.numel
+
+    def take_update_stats(self) -> tuple[float, int]:
+        """Seconds spent updating units on the host and the elements updated, since the last call."""
+        with self._stats_lock:
+            out = self._update_s, self._updated_numel
+            self._update_s, self._updated_numel = 0.0, 0
+        return out
+
+    # ------------------------------------------------------------------ lifetime
+    def _workers_alive(self) -> bool:
+        return self._worker.is_alive()
+
+    def synchronize(self) -> None:
+        """Wait for the background update of the last ``step()``; re-raise its failure."""
+        with self._cond:
+            while self._pending:
+                self._cond.wait(timeout=1.0)
+                if not self._workers_alive():
+                    raise RuntimeError("HostAdamW worker thread died")
+        self.store.gates.raise_error()
+
+    def state_dict(self):
+        self.synchronize()
+        return super().state_dict()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        zero_grad_after(self.synchronize, super().zero_grad, set_to_none)
+
+    def close(self) -> None:
+        """Stop the worker thread (after finishing pending updates)."""
+        if self._worker.is_alive():
+            self.synchronize()
+            self._wake.put(None)
+            self._worker.join(timeout=60)
+
+    def __del__(self) -> None:
+        wake = getattr(self, "_wake", None)
+        if wake is not None:
+            wake.put(None)
+
+
+def convertible(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is a plain AdamW that HostAdamW reproduces exactly."""
+    if type(optimizer) is not torch.optim.AdamW:
+        return False
+    return all(not g.get("amsgrad", False) and not g.get("differentiable", False) for g in optimizer.param_groups)

@@ -1,0 +1,322 @@
+"""The streamed call of one unit: forward without a graph, backward by recompute.
+
+A unit's new ``forward`` runs :class:`StreamedUnit`, an ``autograd.Function`` whose forward
+fetches the unit's weights, computes its template under ``no_grad`` and saves only its input (the
+activation checkpoint); its backward fetches the weights again, restores the forward's CPU/CUDA
+RNG state (dropout draws the same mask) and autocast state, recomputes with grad and calls
+``torch.autograd.grad(out, [input, *weights], grad_out)``. The input's gradient goes back to
+autograd; the weights' gradients go to the gradient sink. A requires-grad scalar, the *anchor*,
+is an input of every streamed call, so backward reaches units whose input carries no grad (the
+embedding, frozen embeddings under PEFT). Calls without grad (evaluation, ``generate()``) fetch
+and compute, keep nothing. Training calls never write a KV cache.
+
+Trainability is read at every call: a parameter whose ``requires_grad`` was turned off since
+attach (progressive freezing) gets no gradient, as in plain training; one frozen at attach cannot
+be unfrozen (it has no fp32 master) and is refused.
+
+Every pass that reaches a streamed backward has one callback queued on autograd's engine (keyed by
+its graph task): when the pass ends it waits for the gradient sink, so ``loss.backward()`` returns
+with every ``param.grad`` complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from ..core.grads import GradSink
+from ..core.layout import Entry, Kind
+from ..core.offload import Checkpoint
+from ..core.streamer import Streamer
+from ..core.template import HookRecord, Mirror, Template
+from ..hf.checks import check_side_inputs, without_cache
+from ..hf.families import INPUT_KWARGS
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Unit:
+    index: int
+    name: str
+    module: nn.Module
+    template: Template
+    mirror: Mirror
+    trainable: list[Entry]  # every trainable tensor the unit computes with (a tied one included)
+    frozen: list[Entry]
+
+
+@dataclass
+class Call:
+    """Everything a streamed call needs besides its differentiable input."""
+
+    unit: int
+    args: tuple  # positional arguments after the input
+    kwargs: dict
+    input_key: str | None  # None: the input was the first positional argument
+    kernel: Any = None  # computes the unit instead of its template (the chunked head + loss)
+    autocast: tuple | None = None  # (enabled, dtype, cache_enabled) on the compute device type
+    cpu_rng: torch.Tensor | None = None
+    dev_rng: torch.Tensor | None = None
+    hooks: HookRecord = field(default_factory=HookRecord)
+
+
+class StreamedUnit(torch.autograd.Function):
+    """One unit call: output and a zero scalar *token* (layer-major ordering, see ``layer_major.py``)."""
+
+    @staticmethod
+    def forward(ctx, runner: "UnitRunner", call: Call, anchor: torch.Tensor, x: torch.Tensor):
+        ctx.runner, ctx.call = runner, call
+        ctx.ckpt = runner.offload_checkpoint(x)
+        if ctx.ckpt is None:
+            ctx.save_for_backward(x)  # the activation checkpoint of this unit
+        out = runner.compute(call, x, runner.streamer.fetch(call.unit))
+        runner.streamer.prefetch(call.unit + 1)  # after the compute is queued: never delays it
+        return out, anchor.new_zeros(())
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor, grad_token: torch.Tensor):
+        runner = ctx.runner
+        group = runner.group
+        if group is not None and not group.backward_open:
+            raise RuntimeError(
+                "megatrain: a backward pass started inside one micro-batch of a layer-major accumulation "
+                "group, before the other micro-batches ran their forward. Inside Trainer.training_step call "
+                "self.accelerator.backward(loss) (Trainer's own code does), in your own loop use "
+                "engine.backward(loss); or turn the schedule off with MegaTrainConfig(layer_major=False)."
+            )
+        runner.at_backward_end()
+        try:
+            if ctx.ckpt is None:
+                (x,) = ctx.saved_tensors
+            else:  # back from the host; the micro-batch's previous checkpoint starts its way up
+                x = runner.offload.load(ctx.ckpt)
+                runner.offload.prefetch(ctx.ckpt.prev)
+                ctx.ckpt.prev = None
+            grad_x = runner.recompute_backward(ctx.call, x, grad_out)
+        except BaseException:
+            runner.backward_failed()
+            raise
+        return None, None, None, grad_x
+
+
+class UnitRunner:
+    """Runs streamed calls of an engine's units (see module docstring)."""
+
+    def __init__(self, units: list[Unit], streamer: Streamer, grads: GradSink, stats, budget,
+                 device: torch.device, compute_dtype: torch.dtype) -> None:
+        self.units = units
+        self.streamer = streamer
+        self.grads = grads
+        self.stats = stats
+        self.budget = budget
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.anchor = torch.zeros((), device=device, requires_grad=True)
+        self.offload = None  # CheckpointOffload, once the engine starts it
+        self.group = None  # the layer-major Group in progress (runtime/layer_major.py)
+        self._chains: dict[int, weakref.ref] = {}  # micro-batch -> its last offloaded checkpoint
+        self._end_queued = None  # graph-task id of the pass whose end callback is queued
+
+    # ------------------------------------------------------------------ calls
+    def call(self, u: int, args: tuple, kwargs: dict, kernel: Any = None) -> torch.Tensor:
+        unit = self.units[u]
+        if args:
+            x, rest, key = args[0], args[1:], None
+        else:
+            key = next((k for k in INPUT_KWARGS if k in kwargs), None)
+            if key is None:
+                raise TypeError(f"streamed unit {unit.name} got no input tensor (kwargs: {sorted(kwargs)})")
+            kwargs = dict(kwargs)
+            x, rest = kwargs.pop(key), ()
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"streamed unit {unit.name} expects a tensor input, got {type(x).__name__}")
+        grad_enabled = torch.is_grad_enabled()
+        training = unit.module.training
+        if grad_enabled:
+            _check_unfrozen(unit)
+        needs_graph = grad_enabled and (
+            any(e.tensor.requires_grad for e in unit.trainable) or (x.is_floating_point() and x.requires_grad)
+        )
+        call = Call(u, rest, kwargs, key, kernel)
+        if u == 0:
+            if training and grad_enabled and not x.is_floating_point():
+                seq = x.shape[-1] if x.dim() else 1
+                self.stats.count_tokens(x.numel(), seq)
+                self.budget.note_call(0, x.numel())
+            self._chains.pop(self.microbatch_key(), None)  # a micro-batch's forward starts a new chain
+        if not needs_graph:
+            out = self.compute(call, x, self.streamer.fetch(u), hooks=False)
+            self.streamer.prefetch(u + 1)
+            return out
+        check_side_inputs(unit.name, rest, kwargs)
+        call.args, call.kwargs = without_cache(unit.name, unit.module, rest, kwargs)
+        dev_type = self.device.type
+        call.autocast = (
+            torch.is_autocast_enabled(dev_type),
+            torch.get_autocast_dtype(dev_type),
+            torch.is_autocast_cache_enabled(),
+        )
+        if training:  # dropout may draw random numbers: replay them in backward
+            call.cpu_rng = torch.get_rng_state()
+            if dev_type == "cuda":
+                call.dev_rng = torch.cuda.get_rng_state(self.device)
+        group = self.group
+        anchor = group.anchor_for_call(self.anchor) if group is not None else self.anchor
+        out, token = StreamedUnit.apply(self, call, anchor, x)
+        if self.offload is None:
+            self.budget.note_call(x.numel() * x.element_size(), 0)  # the checkpoint this call keeps
+        if group is not None and group.record(token):
+            self.grads.count_call(u)
+        return out
+
+    def _autocast(self, state: tuple | None):
+        dev_type = self.device.type
+        stack = contextlib.ExitStack()
+        if state is not None:
+            enabled, dtype, cache = state
+            stack.enter_context(torch.autocast(dev_type, dtype=dtype, enabled=enabled, cache_enabled=cache))
+        if self.compute_dtype != torch.float32 and not torch.is_autocast_enabled(dev_type):
+            # Low-precision weights next to fp32 vectors need autocast to mix in matmuls.
+            stack.enter_context(torch.autocast(dev_type, dtype=self.compute_dtype))
+        return stack
+
+    def compute(self, call: Call, x: torch.Tensor, tensors: dict[str, torch.Tensor], hooks: bool = True,
+                recompute: bool = False) -> torch.Tensor:
+        unit = self.units[call.unit]
+        if call.kernel is not None:
+            with self._autocast(None):
+                out = call.kernel.forward(x, tensors)
+            self.stats.forward_units += 1
+            return out
+        module = unit.template.bind(tensors, unit.mirror, call.hooks if hooks else None, recompute)
+        try:
+            with self._autocast(None):
+                # forward, not __call__: the real unit's __call__ already ran its own hooks
+                if call.input_key is None:
+                    out = module.forward(x, *call.args, **call.kwargs)
+                else:
+                    out = module.forward(*call.args, **{call.input_key: x}, **call.kwargs)
+        finally:
+            unit.template.unbind()
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"streamed unit {unit.name} returned {type(out).__name__}; megatrain expects a tensor "
+                "(transformers >= 5 decoder layers return one)."
+            )
+        self.stats.forward_units += 1
+        return out
+
+    def recompute_backward(self, call: Call, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
+        unit = self.units[call.unit]
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=call.cpu_rng is not None, device_type=self.device.type):
+            if call.cpu_rng is not None:
+                torch.set_rng_state(call.cpu_rng)
+                if call.dev_rng is not None:
+                    torch.cuda.set_rng_state(call.dev_rng, self.device)
+            tensors = self.streamer.fetch(call.unit)
+            trained = [e for e in unit.trainable if e.tensor.requires_grad]
+            leaves = []
+            for e in trained:
+                leaf = tensors[e.name].detach().requires_grad_(True)
+                tensors[e.name] = leaf
+                leaves.append(leaf)
+            x_grad = x.is_floating_point() and x.requires_grad
+            if call.kernel is not None:  # the kernel recomputes chunk by chunk itself
+                if call.unit > 0:
+                    self.streamer.prefetch(call.unit - 1)
+                with self._autocast(call.autocast):
+                    grad_x, sums = call.kernel.backward(x, tensors, [e.name for e in trained], grad_out)
+                grads = (grad_x, *[sums.get(e.name) for e in trained])
+                x_grad = True
+            else:
+                x_in = x.detach().requires_grad_(x_grad)
+                with torch.enable_grad(), self._autocast(call.autocast):
+                    out = self.compute(call, x_in, tensors, recompute=True)
+                if call.unit > 0:
+                    self.streamer.prefetch(call.unit - 1)  # backward order; overlaps this unit's backward
+                self.stats.forward_units -= 1  # a recompute is not a forward
+                inputs = ([x_in] if x_grad else []) + leaves
+                grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+        grad_x = grads[0] if x_grad else None
+        if leaves:
+            self.grads.submit(call.unit, trained, list(grads[1 if x_grad else 0 :]))
+        self.stats.backward_units += 1
+        return grad_x
+
+    # ------------------------------------------------------------------ checkpoint offload
+    def microbatch_key(self) -> int:
+        group = self.group
+        return group.current.index if group is not None and group.current is not None else 0
+
+    def offload_checkpoint(self, x: torch.Tensor) -> Checkpoint | None:
+        """With offloaded checkpoints: ``x`` saved to the host, linked to its micro-batch's chain."""
+        if self.offload is None or not x.is_floating_point():
+            return None
+        key = self.microbatch_key()
+        last = self._chains.get(key)
+        ckpt = self.offload.save(x, last() if last is not None else None)
+        self._chains[key] = weakref.ref(ckpt)
+        return ckpt
+
+    # ------------------------------------------------------------------ end of a backward pass
+    def at_backward_end(self) -> None:
+        """Once per backward pass: have autograd wait for the gradient sink when the pass ends.
+
+        Keyed by autograd's graph-task id: a pass that failed in a node that is not the engine's
+        (autograd then drops the queued callback) is cleaned up when the next pass starts.
+        """
+        task = torch._C._current_graph_task_id()
+        if self._end_queued == task:
+            return
+        if self._end_queued is not None:  # a previous pass never reached its end
+            self.backward_failed()
+        self._end_queued = task
+        torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
+
+    def backward_failed(self) -> None:
+        """autograd drops queued callbacks when a backward fails: undo what the pass had started."""
+        self._end_queued = None
+        self.streamer.drop_prefetched()
+        self.grads.drop_held()
+        try:
+            self.grads.wait()  # no transfer of the failed pass may land in the next step's gradients
+        except RuntimeError:
+            logger.exception("gradient accumulation also failed while unwinding a failed backward")
+
+    def backward_done(self) -> None:
+        self._end_queued = None
+        self.streamer.drop_prefetched()
+        started = time.perf_counter()
+        self.grads.wait()  # when backward() returns, every param.grad is complete
+        self.stats.grad_wait_s += time.perf_counter() - started
+
+    @property
+    def backward_pending(self) -> bool:
+        """Whether a backward pass's end callback is queued (tests read it after a failure)."""
+        return self._end_queued is not None
+
+
+def _check_unfrozen(unit: Unit) -> None:
+    for e in unit.frozen:
+        if e.tensor.requires_grad:
+            raise ValueError(
+                f"megatrain: {unit.name}.{e.name} was frozen (requires_grad=False) when megatrain attached and "
+                "is trainable now; the host store holds frozen weights without an fp32 master, gradient or "
+                "optimizer state, so it cannot train. Fix: set requires_grad before building the Trainer (or "
+                "before attach()), e.g. unfreeze everything you will train and freeze it again in a callback; "
+                "or detach (megatrain_hf.engine_of(model).detach()) and attach again."
+            )
+
+
+__all__ = ["Call", "StreamedUnit", "Unit", "UnitRunner", "Kind"]
