@@ -1,8 +1,9 @@
-"""The `megatrain` command line: help and version. In process where the exit code is main()'s return
-value; one subprocess for the real console behaviour."""
+"""The `megatrain` command line: help and version, `estimate`'s units and refusals. In process where the
+exit code is main()'s return value; one subprocess for the real console behaviour."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import transformers
 
 import megatrain_hf
 from megatrain_hf.cli import COMMANDS, main
+from megatrain_hf.memory.shapes import format_count
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,3 +67,73 @@ def test_console_help_and_version_in_a_process():
     assert launch_help.returncode == 0 and "--config_file" in launch_help.stdout
     bare = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
     assert bare.returncode == 2 and bare.stderr.startswith("usage: megatrain")
+
+
+# ------------------------------------------------------------------------------ estimate
+@pytest.mark.parametrize(
+    "n, text",
+    [
+        (0, "0"), (789, "789"), (1_000, "1.00 K"), (90_432, "90.4 K"), (789_000, "789 K"), (999_499, "999 K"),
+        (999_500, "1.00 M"), (45_600_000, "45.6 M"), (1_230_000_000, "1.23 B"), (6_738_415_616, "6.74 B"),
+        (68_976_648_192, "69.0 B"), (123_400_000_000, "123 B"), (2 * 10**12, "2.00 T"),
+    ],
+)
+def test_format_count(n, text):
+    assert format_count(n) == text
+
+
+def test_estimate_prints_small_models_in_a_unit_that_suits_them(capsys):
+    assert main(["estimate", "--model", "tiny", "--host-gib", "8"]) == 0
+    out = capsys.readouterr().out
+    params = megatrain_hf.memory.PRESETS["tiny"].params()
+    assert out.startswith(f"memory plan: tiny  ({format_count(params)} params, {format_count(params)} trainable)")
+    assert f"{params / 1e3:.1f} K params" in out
+    assert "0.00 B" not in out
+    assert " M params (" in out  # the deepest / widest tiny-width models that fit 8 GiB: hundreds of millions
+
+
+def test_estimate_keeps_the_rest_of_the_table(capsys):
+    from megatrain_hf.memory import plan_memory
+
+    assert main(["estimate", "--model", "llama-7b", "--host-gib", "125"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("memory plan: llama-7b  (6.74 B params, 6.74 B trainable), compute bf16\n")
+    table = plan_memory(megatrain_hf.memory.PRESETS["llama-7b"], seq_len=4096, micro_batch=1, grad_accum=1).table()
+    assert table.split("\n", 1)[1] in out
+    assert "deepest: 35 layers = 7.35 B params" in out
+
+
+def _engine_refusal(model) -> str:
+    from megatrain_hf.adapters import locate_units
+
+    with pytest.raises(ValueError) as info:
+        locate_units(model)
+    return str(info.value)
+
+
+def test_estimate_refuses_a_family_the_engine_refuses_with_its_message(tmp_path, capsys):
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(tmp_path)
+    assert main(["estimate", "--config", str(tmp_path / "config.json")]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"megatrain estimate: error: {_engine_refusal(model)}\n"
+
+
+def test_estimate_refuses_bert_although_its_config_has_llama_like_sizes(tmp_path, capsys):
+    transformers.BertConfig(architectures=["BertForMaskedLM"]).save_pretrained(tmp_path)
+    assert main(["estimate", "--config", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "fits" not in out
+    assert "model type 'bert' (BertForMaskedLM) is not supported by megatrain" in err
+    assert "'llama'" in err and "register_family" in err
+
+
+def test_estimate_accepts_every_supported_family(tmp_path, capsys):
+    from helpers import FAMILY_CONFIGS, tiny_model
+
+    for family in FAMILY_CONFIGS:
+        tiny_model(family).config.save_pretrained(tmp_path / family)
+        assert main(["estimate", "--model", str(tmp_path / family), "--seq-len", "16", "--json"]) == 0, family
+        assert json.loads(capsys.readouterr().out)["plan"]["total_params"] > 0

@@ -207,7 +207,50 @@ def resolve_model(model: str) -> ModelShape:
             "directory containing config.json or a config.json file (for a Hub model, download its "
             "config.json first, e.g. `hf download <repo> config.json --local-dir <dir>`)."
         )
-    return ModelShape.from_hf_config(_read_config(path), name=model)
+    config = _read_config(path)
+    _check_family(config, path)
+    return ModelShape.from_hf_config(config, name=model)
+
+
+def unsupported_family_message(model_type: Any, what: str) -> str:
+    """The engine's refusal of a ``model_type`` outside ``megatrain_hf.adapters.FAMILIES``, word for word
+    (``adapters.locate_units``); ``what`` stands where the engine names the model class."""
+    from ..adapters import FAMILIES  # lazy: torch.nn, and the registry as it is now
+
+    return (
+        f"model type {model_type!r} ({what}) is not supported by megatrain; "
+        f"supported: {sorted(FAMILIES)}. If it is a decoder-only causal LM with embed_tokens/layers/"
+        "norm/lm_head, megatrain_hf.adapters.register_family(model_type) enables it (verify parity first)."
+    )
+
+
+def _check_family(config: Any, path: str) -> None:
+    """Refuse a config.json the engine would refuse: its ``model_type`` must be a supported family.
+
+    The top-level ``model_type`` is checked, as the engine checks ``model.config.model_type``: a
+    multimodal checkpoint (``gemma3``, whose ``text_config`` is ``gemma3_text``) loads as a model
+    of the top-level type."""
+    from ..adapters import FAMILIES
+
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    model_type = get("model_type")
+    if model_type in FAMILIES:
+        return
+    architectures = get("architectures") or []
+    what = architectures[0] if architectures else f"config {path}"
+    raise ValueError(unsupported_family_message(model_type, what))
+
+
+def format_count(n: int) -> str:
+    """A count with three significant digits and a unit: ``1.23 B``, ``45.6 M``, ``789 K``, ``512``."""
+    if n < 0:
+        return "-" + format_count(-n)
+    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale * 0.9995:  # 999.5 K and up rounds to 1.00 M, not to "1000 K"
+            value = n / scale
+            digits = 2 if value < 9.995 else 1 if value < 99.95 else 0
+            return f"{value:.{digits}f} {unit}"
+    return str(n)
 
 
 def _read_config(path: str) -> Any:
