@@ -1,5 +1,6 @@
-"""The `megatrain` command line: help and version, `estimate`'s units and refusals. In process where the
-exit code is main()'s return value; one subprocess for the real console behaviour."""
+"""The `megatrain` command line: help and version, `estimate`'s units and refusals, `launch`'s checks of
+the user's YAML. In process where the exit code is main()'s return value; one subprocess for the real
+console behaviour."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import torch
 import transformers
 
 import megatrain_hf
-from megatrain_hf.cli import COMMANDS, main
+from megatrain_hf.cli import COMMANDS, load_launch_config, main
 from megatrain_hf.memory.shapes import format_count
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "scripts" / "train_tiny.py"
 
 
 # ------------------------------------------------------------------------------ help, version
@@ -137,3 +139,60 @@ def test_estimate_accepts_every_supported_family(tmp_path, capsys):
         tiny_model(family).config.save_pretrained(tmp_path / family)
         assert main(["estimate", "--model", str(tmp_path / family), "--seq-len", "16", "--json"]) == 0, family
         assert json.loads(capsys.readouterr().out)["plan"]["total_params"] > 0
+
+
+# ------------------------------------------------------------------------------ launch: the user's YAML
+def _write(tmp_path, text: str) -> Path:
+    path = tmp_path / "user.yaml"
+    path.write_text(text)
+    return path
+
+
+LOCAL = 'compute_environment: LOCAL_MACHINE\ndistributed_type: "NO"\nuse_cpu: true\n'
+
+
+def test_unknown_accelerate_key_is_reported_against_the_users_file(tmp_path, capsys):
+    path = _write(tmp_path, LOCAL + "mixed_precison: bf16\ncompute_dtype: bf16\n")
+    assert main(["launch", "--config_file", str(path), str(SCRIPT)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and "megatrain_launch_" not in err
+    assert "['compute_dtype', 'mixed_precison']" in err
+    assert "did you mean 'mixed_precision'" in err
+    assert "'compute_dtype' is a megatrain option: move it under the `megatrain:` section" in err
+    assert "Allowed top-level keys: [" in err and "'num_processes'" in err
+
+
+def test_allowed_accelerate_keys_are_accelerates_own(tmp_path):
+    import dataclasses
+
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    with pytest.raises(ValueError) as info:
+        load_launch_config(str(_write(tmp_path, LOCAL + "bogus: 1\n")))
+    for field in dataclasses.fields(ClusterConfig):
+        assert repr(field.name) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("distributed_type: NO\n", 'unquoted NO/no as the boolean false. Fix: quote it, distributed_type: "NO"'),
+        ('distributed_type: "NO"\nmixed_precision: no\n', 'Fix: quote it, mixed_precision: "no"'),
+        ('distributed_type: "NO"\nmixed_precision: bf17\n', "mixed_precision='bf17' is not one of"),
+        ("distributed_type: MULTI\n", "distributed_type='MULTI' is not one of"),
+        ("use_cpu: true\n", 'has no distributed_type, which accelerate'),
+        ("compute_environment: LOCAL\ndistributed_type: \"NO\"\n", "compute_environment='LOCAL' is not one of"),
+        ("megatrain:\n  compute_dtyp: bf16\n", "the `megatrain:` section of"),
+    ],
+)
+def test_bad_launch_yaml_names_the_file_and_the_fix(tmp_path, capsys, text, message):
+    path = _write(tmp_path, text)
+    assert main(["launch", "--config_file", str(path), "--dry_run", str(SCRIPT)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatrain launch: error: ") and str(path) in err
+    assert message in err
+
+
+def test_launch_refuses_a_missing_script(tmp_path, capsys):
+    assert main(["launch", "--config_file", str(ROOT / "configs" / "megatrain_cpu.yaml"), "nope.py"]) == 2
+    assert "training script 'nope.py' does not exist" in capsys.readouterr().err
