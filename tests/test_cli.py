@@ -1,11 +1,12 @@
 """The `megatrain` command line: help and version, `estimate`'s units and refusals, `launch`'s checks of
-the user's YAML. In process where the exit code is main()'s return value; one subprocess for the real
-console behaviour."""
+the user's YAML, and every shipped config in configs/ through the launcher (--dry_run). In process
+where the exit code is main()'s return value; one subprocess for the real console behaviour."""
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -13,13 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+import yaml
 
 import megatrain_hf
 from megatrain_hf.cli import COMMANDS, load_launch_config, main
+from megatrain_hf.config import ENV_VAR
 from megatrain_hf.memory.shapes import format_count
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "train_tiny.py"
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
 # ------------------------------------------------------------------------------ help, version
@@ -196,3 +200,29 @@ def test_bad_launch_yaml_names_the_file_and_the_fix(tmp_path, capsys, text, mess
 def test_launch_refuses_a_missing_script(tmp_path, capsys):
     assert main(["launch", "--config_file", str(ROOT / "configs" / "megatrain_cpu.yaml"), "nope.py"]) == 2
     assert "training script 'nope.py' does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the shipped configs
+def test_configs_are_shipped():
+    names = {p.name for p in CONFIGS}
+    assert {"megatrain_cpu.yaml", "megatrain_single_gpu.yaml", "accelerate_single_gpu.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_through_the_launcher(path, capsys):
+    keys, config = load_launch_config(str(path))
+    assert keys["compute_environment"] == "LOCAL_MACHINE"
+    assert main(["launch", "--config_file", str(path), "--dry_run", str(SCRIPT), "--out", "a b.json"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    comments = [line[4:] for line in out if line.startswith("#   ")]
+    assert yaml.safe_load("\n".join(comments)) == keys  # the accelerate part, as it will be written
+    command = shlex.split(out[-1])
+    assert command[0] == f"{ENV_VAR}={json.dumps(config.to_dict())}"
+    assert command[1:5] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    assert command[6:] == ["-m", "megatrain_hf.run", str(SCRIPT), "--out", "a b.json"]
+
+
+def test_cpu_config_is_cpu_only():
+    keys, config = load_launch_config(str(ROOT / "configs" / "megatrain_cpu.yaml"))
+    assert keys["use_cpu"] is True and keys["mixed_precision"] == "no" and keys["distributed_type"] == "NO"
+    assert config.device == "cpu" and config.compute_dtype == "fp32"
