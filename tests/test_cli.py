@@ -226,3 +226,19 @@ def test_cpu_config_is_cpu_only():
     keys, config = load_launch_config(str(ROOT / "configs" / "megatrain_cpu.yaml"))
     assert keys["use_cpu"] is True and keys["mixed_precision"] == "no" and keys["distributed_type"] == "NO"
     assert config.device == "cpu" and config.compute_dtype == "fp32"
+
+
+# ------------------------------------------------------------------------------ make
+def _make(*targets: str) -> str:
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    proc = subprocess.run(["make", "-n", *targets], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_make_test_shows_skip_reasons_and_test_fast_skips_slow_tests():
+    assert '-m pytest -m "not gpu" -q -rs' in _make("test")
+    assert '-m pytest -m "not gpu and not slow" -q -rs' in _make("test-fast")
