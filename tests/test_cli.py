@@ -228,7 +228,40 @@ def test_cpu_config_is_cpu_only():
     assert config.device == "cpu" and config.compute_dtype == "fp32"
 
 
-# ------------------------------------------------------------------------------ make
+# ------------------------------------------------------------------------------ packaging: ranges, make, CI
+TESTED = ("torch", "transformers", "accelerate", "peft", "trl")
+
+
+def _declared() -> dict:
+    """{name: SpecifierSet} of the tested dependencies, from the dependencies and every extra (one range each)."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lists = [project["dependencies"], *project["optional-dependencies"].values()]
+    declared: dict = {}
+    for requirement in (Requirement(r) for requirements in lists for r in requirements):
+        if requirement.name in TESTED:
+            previous = declared.setdefault(requirement.name, requirement.specifier)
+            assert previous == requirement.specifier, f"{requirement.name}: {previous} and {requirement.specifier}"
+    return declared
+
+
+def test_tested_dependencies_have_both_bounds_and_hold_what_is_installed():
+    from importlib import metadata
+
+    from packaging.version import Version
+
+    declared = _declared()
+    assert sorted(declared) == sorted(TESTED)
+    for name, specifier in declared.items():
+        operators = {s.operator for s in specifier}
+        assert {">=", "<"} <= operators, f"{name}{specifier}: declare the tested range, lower and upper bound"
+        installed = Version(metadata.version(name)).public  # 2.13.0+cpu -> 2.13.0
+        assert specifier.contains(installed), f"{name} {installed} is installed but pyproject.toml says {specifier}"
+
+
 def _make(*targets: str) -> str:
     import shutil
 
@@ -242,3 +275,10 @@ def _make(*targets: str) -> str:
 def test_make_test_shows_skip_reasons_and_test_fast_skips_slow_tests():
     assert '-m pytest -m "not gpu" -q -rs' in _make("test")
     assert '-m pytest -m "not gpu and not slow" -q -rs' in _make("test-fast")
+    assert "bash .ci/lower_bounds.sh" in _make("lower-bounds")
+
+
+def test_ci_runs_the_tests_then_the_lower_bounds_then_the_docs():
+    steps = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    steps = [s for s in steps if s.startswith("make ")]
+    assert steps == ["make test", "make lower-bounds", "make docs"]
