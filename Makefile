@@ -4,7 +4,7 @@ PIP := $(PY) -m pip
 # torch 2.13.0 first: on a CPU machine it is the local CPU build; an unpinned torch would pull CUDA.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test test-gpu lint docs clean
+.PHONY: install demo test test-fast test-gpu lower-bounds docs clean
 
 install:
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
@@ -13,8 +13,19 @@ install:
 demo: install
 	$(PY) examples/demo.py
 
+# the CPU suite (what CI runs; ~5 min on 2 cores): every test but the GPU ones; -rs lists each
+# skipped test with its reason (a missing optional package, no GPU, ...)
 test: install
-	$(PY) -m pytest -m "not gpu" -q
+	$(PY) -m pytest -m "not gpu" -q -rs
+
+# the same without the tests marked `slow` (> ~30 s each on a 2-core CPU): a quick check while editing
+test-fast: install
+	$(PY) -m pytest -m "not gpu and not slow" -q -rs
+
+# the lowest versions pyproject.toml accepts (transformers, accelerate, peft, trl) in a clean venv,
+# on a fast subset of the tests (.ci/lower_bounds.sh says which)
+lower-bounds:
+	PY=$(PY) TORCH="$(TORCH)" bash .ci/lower_bounds.sh
 
 # the documentation site (mkdocs.yml): strict, so a broken link or a page missing from the nav fails
 docs:

@@ -163,7 +163,18 @@ def test_launch_unknown_megatrain_key(tmp_path):
     cfg.write_text("compute_environment: LOCAL_MACHINE\nmegatrain:\n  compute_dtyp: bf16\n")
     proc = _launch(["--config_file", str(cfg), "train.py"], tmp_path)
     assert proc.returncode == 2
-    assert "compute_dtyp" in proc.stderr and "allowed" in proc.stderr
+    assert "compute_dtyp" in proc.stderr and "allowed" in proc.stderr and str(cfg) in proc.stderr
+
+
+def test_launch_unknown_accelerate_key_names_the_users_file(tmp_path):
+    cfg = tmp_path / "user.yaml"
+    cfg.write_text('compute_environment: LOCAL_MACHINE\ndistributed_type: "NO"\nnum_processs: 1\n')
+    (tmp_path / "train.py").write_text("raise SystemExit('the script must not run')\n")
+    proc = _launch(["--config_file", str(cfg), "train.py"], tmp_path)
+    assert proc.returncode == 2
+    assert str(cfg) in proc.stderr and "megatrain_launch_" not in proc.stderr  # not the temporary file
+    assert "['num_processs']" in proc.stderr and "did you mean 'num_processes'" in proc.stderr
+    assert "must not run" not in proc.stderr
 
 
 def test_host_ram_short_raises_before_allocating(monkeypatch):

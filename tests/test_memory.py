@@ -12,7 +12,7 @@ import transformers
 from helpers import FAMILY_CONFIGS, tiny_model
 from megatrain_hf import memory
 from megatrain_hf.core import store
-from megatrain_hf.memory.cli import estimate_main
+from megatrain_hf.cli.estimate import estimate_main
 from megatrain_hf.memory import (
     GiB,
     PRESETS,
@@ -302,7 +302,7 @@ def test_estimate_main_bad_input_exits_2(tmp_path, capsys):
 
 
 def test_estimate_writes_a_chart(tmp_path, capsys):
-    from megatrain_hf.memory.cli import estimate_main
+    from megatrain_hf.cli.estimate import estimate_main
 
     path = tmp_path / "plan.png"
     assert estimate_main(["--model", "llama-7b", "--chart", str(path)]) == 0

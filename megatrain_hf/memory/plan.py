@@ -17,7 +17,7 @@ from ..core.grads import MAX_PENDING_SENDS
 from ..core.layout import TensorSpec, aligned, host_tiers, lay_out, wire_dtype
 from ..core.layout import loss_chunk_tokens as loss_chunk
 from .host import DEFAULT_HEADROOM_BYTES, TIER_LABELS, GiB, _check_int, check_host_memory, gib
-from .shapes import PRESETS, ModelShape
+from .shapes import ModelShape
 
 logger = logging.getLogger(__name__)
 

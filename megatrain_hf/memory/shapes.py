@@ -192,10 +192,9 @@ PRESETS: dict[str, ModelShape] = {
 """Named shapes for planning without a config.json (``--model llama-7b``)."""
 
 
-def resolve_model(model: str) -> ModelShape:
-    """A preset name, a directory holding ``config.json``, or a ``config.json`` file -> shape."""
-    if model in PRESETS:
-        return PRESETS[model]
+def model_config(model: str):
+    """The config of ``model`` -- a directory holding ``config.json``, or a ``config.json`` file --
+    as transformers reads it (class defaults applied), or its raw dict."""
     path = model
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
@@ -207,7 +206,26 @@ def resolve_model(model: str) -> ModelShape:
             "directory containing config.json or a config.json file (for a Hub model, download its "
             "config.json first, e.g. `hf download <repo> config.json --local-dir <dir>`)."
         )
-    return ModelShape.from_hf_config(_read_config(path), name=model)
+    return _read_config(path)
+
+
+def resolve_model(model: str) -> ModelShape:
+    """A preset name, a directory holding ``config.json``, or a ``config.json`` file -> shape."""
+    if model in PRESETS:
+        return PRESETS[model]
+    return ModelShape.from_hf_config(model_config(model), name=model)
+
+
+def format_count(n: int) -> str:
+    """A count with three significant digits and a unit: ``1.23 B``, ``45.6 M``, ``789 K``, ``512``."""
+    if n < 0:
+        return "-" + format_count(-n)
+    for unit, scale in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale * 0.9995:  # 999.5 K and up rounds to 1.00 M, not to "1000 K"
+            value = n / scale
+            digits = 2 if value < 9.995 else 1 if value < 99.95 else 0
+            return f"{value:.{digits}f} {unit}"
+    return str(n)
 
 
 def _read_config(path: str) -> Any:

@@ -8,11 +8,13 @@ import sys
 
 import torch
 
-from .fit import largest_model, largest_preset
-from .host import DEFAULT_HEADROOM_BYTES, GiB, available_host_bytes
-from .host import gib as _gib
-from .plan import MemoryPlan, plan_memory
-from .shapes import PRESETS, resolve_model
+from ..hf.families import FAMILIES, unsupported_message
+from ..memory.fit import ModelFit, largest_model, largest_preset
+from ..memory.host import DEFAULT_HEADROOM_BYTES, GiB, available_host_bytes
+from ..memory.host import gib as _gib
+from ..memory.plan import MemoryPlan, plan_memory
+from ..memory.shapes import PRESETS, ModelShape, format_count, model_config
+
 
 def estimate_main(argv: list[str] | None = None) -> int:
     """``megatrain estimate``: print the memory plan of a model and what fits this machine."""
@@ -20,8 +22,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
         prog="megatrain estimate",
         description="Host RAM (exact) and GPU memory (estimate) needed to train a model with megatrain.",
     )
-    parser.add_argument("--model", required=True,
-                        help=f"preset ({', '.join(PRESETS)}), a model directory with config.json, or a config.json")
+    parser.add_argument("--model", "--config", dest="model", required=True, metavar="MODEL",
+                        help=f"preset ({', '.join(PRESETS)}), a model directory with config.json, or a config.json "
+                             "(--config is the same option)")
     parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
@@ -49,7 +52,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: --help is 0, usage errors are 2
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
     try:
-        shape = resolve_model(args.model)
+        shape = shape_of(args.model)
         plan = plan_memory(
             shape,
             seq_len=args.seq_len,
@@ -97,7 +100,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
             "widest_hidden": fit.widest.hidden if fit.widest else None,
         }, indent=2))
         return 0
-    print(plan.table())
+    print(_table(plan))
     print()
     if args.chart:
         write_chart(plan, args.chart)
@@ -113,13 +116,38 @@ def estimate_main(argv: list[str] | None = None) -> int:
         print(f"GPU: none visible here; the estimate above is {_gib(plan.gpu_total)} GiB")
     mode = f"LoRA r={args.lora_rank}, " if args.lora_rank is not None else ""
     print(f"largest preset that fits ({mode}{plan.compute_dtype}): {preset or 'none'}")
-    print(fit.describe())
+    print(_describe(fit))
     if not fits:
         lora_hint = "" if args.lora_rank is not None else ", --lora-rank (LoRA)"
         print(f"to fit: fewer layers / a smaller model{lora_hint}, or more RAM")
     return 0
 
 
+def _table(plan: MemoryPlan) -> str:
+    """``plan.table()`` with its headline's parameter counts in a unit that suits the model (``104 K``, not
+    ``0.00 B``)."""
+    s = plan.shape
+    lora = f", LoRA r={plan.lora_rank}" if plan.lora_rank is not None else ""
+    headline = (f"memory plan: {s.name or 'model'}  ({format_count(plan.total_params)} params, "
+                f"{format_count(plan.trainable_params)} trainable{lora}), compute {plan.compute_dtype}")
+    return headline + "\n" + plan.table().split("\n", 1)[1]
+
+
+def _describe(fit: ModelFit) -> str:
+    """``fit.describe()`` with the parameter counts in a unit that suits them."""
+    parts = [f"in {_gib(fit.available_bytes)} GiB (- {_gib(fit.headroom_bytes)} GiB headroom), at the width of "
+             f"{fit.base.name or 'the base'}:"]
+    if fit.deepest is None:
+        parts.append("  not even one layer fits")
+    else:
+        parts.append(f"  deepest: {fit.deepest.layers} layers = {format_count(fit.deepest.params())} params "
+                     f"({_gib(fit.deepest_host_bytes)} GiB host)")
+    if fit.widest is not None:
+        w = fit.widest
+        parts.append(f"  widest at {w.layers} layers: hidden {w.hidden}, intermediate {w.intermediate}, heads "
+                     f"{w.heads}/{w.kv_heads} = {format_count(w.params())} params "
+                     f"({_gib(fit.widest_host_bytes)} GiB host)")
+    return "\n".join(parts)
 
 
 def write_chart(plan: MemoryPlan, path: str) -> None:
@@ -150,3 +178,20 @@ def write_chart(plan: MemoryPlan, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def shape_of(model: str) -> ModelShape:
+    """A preset, or the shape of a config.json whose family the engine supports (else the engine's refusal).
+
+    The top-level ``model_type`` is checked, as the engine checks ``model.config.model_type``: a
+    multimodal checkpoint (``gemma3``, whose ``text_config`` is ``gemma3_text``) loads as a model of
+    the top-level type."""
+    if model in PRESETS:
+        return PRESETS[model]
+    config = model_config(model)
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    model_type = get("model_type")
+    if model_type not in FAMILIES:
+        architectures = get("architectures") or []
+        raise ValueError(unsupported_message(model_type, architectures[0] if architectures else f"config {model}"))
+    return ModelShape.from_hf_config(config, name=model)
