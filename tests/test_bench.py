@@ -384,3 +384,74 @@ def test_link_bytes_count_the_device_updates_state():
     assert link_bytes("megatrain", counters)["link_bytes_per_step"] == {"h2d": 1100, "d2h": 2010, "total": 3110}
     stats.reset()
     assert stats.update_h2d_bytes == stats.update_d2h_bytes == stats.h2d_bytes == 0
+
+
+def test_gpu_suite_dry_run_commands_parse():
+    """Every stage of scripts/gpu_suite.sh, dry: each bench command parses with the bench's own
+    parser, names known systems that accept the workload, and fits one call by its estimate."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    listing = subprocess.run(["bash", "scripts/gpu_suite.sh", "--list"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+    stages = {line.split()[0]: int(line.split()[1].strip("~")) for line in listing}
+    assert {"tests", "baselines-16k", "baselines-4x16k", "1.36b", "7b"} <= set(stages)
+    assert all(estimate <= 585 for estimate in stages.values()), stages
+    env = {**os.environ, "DRY_RUN": "1", "MEGATRAIN_COMMIT": "abc1234", "MEGATRAIN_CONFIG": '{"device_update": true}'}
+    done = subprocess.run(["bash", "scripts/gpu_suite.sh", *stages], cwd=root, capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    commands = [shlex.split(line[len("DRY:"):]) for line in done.stdout.splitlines() if line.startswith("DRY:")]
+    assert len(commands) == len(stages)
+    benches = {}
+    for words in commands:
+        if "megatrain_hf.cli" not in words:
+            continue
+        argv = words[words.index("bench") + 1:]
+        args = build_parser().parse_args(argv)
+        stage = Path(args.out).name
+        assert Path(args.out).parent.name == "abc1234"  # named with the commit
+        assert words[:3] == ["env", "-u", "MEGATRAIN_CONFIG"]  # megatrain's defaults in the comparisons
+        for system in parse_systems(args.systems):
+            check_workload(system, args.grad_accum)
+        assert args.budget_s is not None and args.device == "cuda" and args.dtype == "bf16"
+        benches[stage] = args
+    assert set(benches) == set(stages) - {"tests", "probe"}
+    sixteen = benches["baselines-16k"]
+    assert (sixteen.model, sixteen.seq_len * sixteen.micro_batch * sixteen.grad_accum) == ("llama-3.14b", 16384)
+    assert sixteen.warmup_steps >= 8 and "deepspeed" in sixteen.systems
+    four = benches["baselines-4x16k"]
+    assert (four.seq_len * four.micro_batch, four.grad_accum) == (16384, 4)
+    assert (benches["1.36b"].model, benches["1.36b"].grad_accum) == ("llama-1.36b", 4)
+    seven = benches["7b"]
+    assert (seven.model, seven.seq_len * seven.micro_batch, seven.grad_accum) == ("llama-7b", 8192, 8)
+    ran = {s for a in benches.values() for s in parse_systems(a.systems)}
+    assert ran == set(SYSTEMS)  # every system has a stage
+    more = benches["baselines-16k-more"]
+    assert more.steps % 4 == 0  # ZenFlow's whole update cycles
+
+
+def test_budget_skips_systems_without_time_and_combine_joins_parts(tmp_path):
+    from megatrain_hf.bench.combine import combine, main as combine_main
+
+    out = tmp_path / "part"
+    assert main(["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--systems", "plain,megatrain",
+                 "--budget-s", "10", "--out", str(out)]) == 1  # nothing ran
+    report = json.loads((out / "results.json").read_text())
+    for result in report["results"].values():
+        assert result["status"] == "skipped" and "--budget-s 10" in result["reason"] and "tokens_per_s" not in result
+    row = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("| plain |"))
+    assert not re.search(r"\d", row)
+    a, b = _fake_report({"deepspeed": {"status": "unavailable", "reason": "x"}}), _fake_report(
+        {"plain": {"status": "unavailable", "reason": "y"}})
+    combined = combine([("a.json", a), ("b.json", b)])
+    assert list(combined["results"]) == ["plain", "deepspeed"]  # the bench's order
+    assert combined["results"]["plain"]["source"]["file"] == "b.json"
+    b["workload"] = {**b["workload"], "seq_len": 16}
+    with pytest.raises(ValueError, match="differs"):
+        combine([("a.json", a), ("b.json", b)])
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    assert combine_main(["--out", str(tmp_path / "c"), str(tmp_path / "a.json")]) == 0
+    assert "Combined from `" in (tmp_path / "c" / "results.md").read_text()

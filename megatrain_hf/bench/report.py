@@ -199,8 +199,12 @@ def _meta_section(meta: dict[str, Any]) -> list[str]:
     commit = git["commit"] or f"unknown ({git['note']})"
     dirty = " (uncommitted changes)" if git.get("dirty") else ""
     versions = ", ".join(f"{k} {val}" for k, val in v.items() if val)
+    combined = [f"- Combined from `{c['file']}` (commit {c.get('git_commit')}, {c.get('created_utc')})"
+                for c in meta.get("combined_from", [])]
+    if meta.get("combined_note"):
+        combined.append(f"- Note: {meta['combined_note']}")
     return [
-        "## Run", "",
+        "## Run", "", *combined,
         (f"- Hardware: GPU {gpus}; CPU {hw.get('cpu_model')} ({hw['cpu_logical']} logical / "
          f"{hw['cpu_physical']} physical cores); RAM {hw['ram_total_gib']:.1f} GiB"),
         f"- Commit: {commit}{dirty}",

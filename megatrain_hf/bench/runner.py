@@ -34,6 +34,9 @@ from .systems import (CPU_OPTIMIZER_SYSTEMS, DEEPSPEED_SYSTEMS, DISTRIBUTED_SYST
 
 logger = logging.getLogger(__name__)
 
+REPORT_MARGIN_S = 15.0  # writing results.json/.md/.png after the last worker
+MIN_SYSTEM_S = 30.0  # below this no worker gets past building its model
+
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
              "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
@@ -57,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per system before its worker is killed")
+    p.add_argument("--budget-s", type=float, default=None,
+                   help="seconds for the whole invocation: each worker's timeout is cut to what is left (less "
+                   f"{REPORT_MARGIN_S:g} s for the reports), and a system with under {MIN_SYSTEM_S:g} s left is "
+                   "reported 'skipped', not started")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench_output", help="directory for results.json, results.md, results.png")
     p.add_argument("--profile", action="store_true",
@@ -125,8 +132,11 @@ def _log_tail(path: Path, n_chars: int = 3000) -> str:
     return text[-n_chars:]
 
 
-def run_system(system: str, args: argparse.Namespace, shape: ModelShape, out: Path) -> dict[str, Any]:
-    """One worker, start to finish; a result dict whatever happens to the worker."""
+def run_system(system: str, args: argparse.Namespace, shape: ModelShape, out: Path,
+               timeout: float | None = None) -> dict[str, Any]:
+    """One worker, start to finish (killed after ``timeout``, default ``--timeout``); a result dict
+    whatever happens to the worker."""
+    timeout = args.timeout if timeout is None else timeout
     config = system_config(system, shape)
     if system in DEEPSPEED_SYSTEMS and importlib.util.find_spec("deepspeed") is None:
         return {"system": system, "status": "unavailable", "system_config": config,
@@ -146,7 +156,7 @@ def run_system(system: str, args: argparse.Namespace, shape: ModelShape, out: Pa
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=worker_env(system), start_new_session=True)
         try:
-            returncode = proc.wait(timeout=args.timeout)
+            returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             _stop(proc)
             returncode = None
@@ -154,9 +164,10 @@ def run_system(system: str, args: argparse.Namespace, shape: ModelShape, out: Pa
     if json_path.exists():  # written last thing by the worker: its result stands even if it hung at exit
         result = json.loads(json_path.read_text())
         if returncode is None:
-            result["note"] = f"worker hung after writing its result; killed at --timeout {args.timeout:g} s"
+            result["note"] = f"worker hung after writing its result; killed after {timeout:g} s"
     elif returncode is None:
-        result = {"status": "failed", "reason": f"timed out after {args.timeout:g} s (--timeout); worker killed",
+        result = {"status": "failed", "reason": f"timed out after {timeout:g} s (--timeout, or what --budget-s "
+                                                f"left); worker killed",
                   "log_tail": _log_tail(log_path)}
     else:
         hint = " (SIGKILL: often the kernel's OOM killer, host RAM exhausted)" if returncode == -signal.SIGKILL else ""
@@ -227,8 +238,18 @@ def main(argv: list[str] | None = None) -> int:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     this_workload = workload(args, shape)
     results = merged_results(out, this_workload, systems) if args.merge else {}
+    deadline = time.monotonic() + args.budget_s if args.budget_s is not None else None
     for system in systems:
-        results[system] = run_system(system, args, shape, out)
+        timeout = args.timeout
+        if deadline is not None:
+            left = deadline - time.monotonic() - REPORT_MARGIN_S
+            if left < MIN_SYSTEM_S:
+                results[system] = {"system": system, "status": "skipped", "system_config": system_config(system, shape),
+                                   "reason": f"--budget-s {args.budget_s:g}: {max(left, 0):.0f} s left, not started"}
+                logger.info("bench: %s skipped: %s", system, results[system]["reason"])
+                continue
+            timeout = min(timeout, left)
+        results[system] = run_system(system, args, shape, out, timeout)
         r = results[system]
         logger.info("bench: %s -> %s %s", system, r["status"], r.get("reason", ""))
     order = [s for s in SYSTEMS if s in results]

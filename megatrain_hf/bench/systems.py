@@ -75,6 +75,7 @@ from ..memory import ModelShape
 SYSTEMS = ("megatrain", "plain", "deepspeed", "deepspeed_zero2", "deepspeed_offloadpp", "deepspeed_zenflow",
            "fsdp2")
 DEEPSPEED_SYSTEMS = frozenset({"deepspeed", "deepspeed_zero2", "deepspeed_offloadpp", "deepspeed_zenflow"})
+ZERO3_SYSTEMS = frozenset({"deepspeed", "deepspeed_offloadpp"})  # the model is built partitioned (zero.Init)
 DISTRIBUTED_SYSTEMS = DEEPSPEED_SYSTEMS | {"fsdp2"}
 CPU_OPTIMIZER_SYSTEMS = DISTRIBUTED_SYSTEMS  # their optimizer steps on the CPU through torch's OpenMP
 
@@ -119,7 +120,7 @@ def deepspeed_config(system: str, shape: ModelShape) -> dict[str, Any]:
         raise ValueError(f"{system!r} is not a DeepSpeed system; those are {sorted(DEEPSPEED_SYSTEMS)}")
     h = shape.hidden
     zero: dict[str, Any] = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": h * h}
-    if system in ("deepspeed", "deepspeed_offloadpp"):
+    if system in ZERO3_SYSTEMS:
         zero.update({
             "stage": 3,
             "stage3_prefetch_bucket_size": int(0.9 * h * h),

@@ -21,8 +21,8 @@ from typing import Any
 
 from .flops import model_flops_per_step, model_flops_per_token
 from .presets import ModelShape, add_shape_arguments, shape_from_args
-from .systems import (DEEPSPEED_SYSTEMS, DISTRIBUTED_SYSTEMS, SYSTEMS, SystemCheck, check_workload, extra_callbacks,
-                      system_config, training_arguments)
+from .systems import (DEEPSPEED_SYSTEMS, DISTRIBUTED_SYSTEMS, SYSTEMS, ZERO3_SYSTEMS, SystemCheck, check_workload,
+                      extra_callbacks, training_arguments)
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 bf16=args.dtype == "bf16", use_cpu=not cuda, seed=args.seed,
             )  # before the model: under ZeRO-3, from_config then builds it partitioned (zero.Init)
             # ZeRO-3 builds partitioned under zero.Init (its own device handling); others on the GPU
-            init_device = "cuda" if cuda and args.system not in DEEPSPEED_SYSTEMS else "cpu"
+            init_device = "cuda" if cuda and args.system not in ZERO3_SYSTEMS else "cpu"
             model = build_model(shape, args.seq_len, args.seed, init_device)
             if init_device == "cuda":  # the init's blocks must not stay cached or count as a peak
                 torch.cuda.empty_cache()
