@@ -455,3 +455,46 @@ def test_budget_skips_systems_without_time_and_combine_joins_parts(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(a))
     assert combine_main(["--out", str(tmp_path / "c"), str(tmp_path / "a.json")]) == 0
     assert "Combined from `" in (tmp_path / "c" / "results.md").read_text()
+
+
+def test_deepspeed_system_check_reads_what_took_effect():
+    """The check on a stand-in for DeepSpeed's engine: passes on the configured variant, fails on another."""
+    import enum
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    from transformers import LlamaConfig
+
+    from megatrain_hf.bench.systems import _check_deepspeed
+
+    class Device(str, enum.Enum):  # DeepSpeed's OffloadDeviceEnum
+        cpu = "cpu"
+
+    def trainer(system, stage, param, ratio, zenflow, basic="DeepSpeedCPUAdam", placement=None):
+        opt = SimpleNamespace(device=Device.cpu, pin_memory=True, ratio=ratio)
+        engine = SimpleNamespace(
+            zero_optimization_stage=lambda: stage, zero_offload_optimizer=lambda: opt,
+            zero_offload_param=lambda: SimpleNamespace(device=Device.cpu) if param else None, zenflow=zenflow,
+            optimizer=SimpleNamespace(subgroup_to_device=placement) if placement else SimpleNamespace(),
+            basic_optimizer=type(basic, (), {})())
+        shape = PRESETS["tiny"]
+        config = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                             num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                             num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab, tie_word_embeddings=False)
+        return SimpleNamespace(accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED),
+                               model_wrapped=engine, model=SimpleNamespace(config=config))
+
+    facts = _check_deepspeed(trainer("deepspeed", 3, True, 1.0, False), "deepspeed")
+    assert facts["offload_param_device"] == "cpu" and facts["basic_optimizer"] == "DeepSpeedCPUAdam"
+    placement = {i: ("cuda" if i < 7 else "cpu") for i in range(10)}
+    facts = _check_deepspeed(trainer("pp", 3, False, 0.3, False, placement=placement), "deepspeed_offloadpp")
+    assert (facts["optimizer_subgroups"], facts["optimizer_subgroups_on_cpu"]) == (10, 3)
+    assert _check_deepspeed(trainer("zf", 2, False, 1.0, True, "ZenFlowCPUAdam"), "deepspeed_zenflow")["zenflow"]
+    with pytest.raises(RuntimeError, match="offload ratio"):
+        _check_deepspeed(trainer("pp", 3, False, 1.0, False), "deepspeed_offloadpp")
+    with pytest.raises(RuntimeError, match="ZeRO stage 2"):
+        _check_deepspeed(trainer("z2", 3, False, 1.0, False), "deepspeed_zero2")
+    with pytest.raises(RuntimeError, match="offload devices"):
+        _check_deepspeed(trainer("z2", 2, True, 1.0, False), "deepspeed_zero2")
+    with pytest.raises(RuntimeError, match="CPU Adam"):
+        _check_deepspeed(trainer("z3", 3, True, 1.0, False, "FusedAdam"), "deepspeed")

@@ -135,10 +135,14 @@ def _config_section(results: dict[str, Any]) -> list[str]:
         return []
     lines = ["## System configurations", ""]
     for name, config in configured.items():
-        rest = {k: v for k, v in config.items() if k != "note"}
         lines.append(f"- **{name}**: {config.get('note', '')}")
-        if rest:
-            lines += ["", "  ```json", *("  " + line for line in json.dumps(rest, indent=1).splitlines()), "  ```", ""]
+        for key, value in config.items():
+            if key == "note":
+                continue
+            nested = isinstance(value, dict) and any(isinstance(v, dict) for v in value.values())
+            for sub, item in (value.items() if nested else [(None, value)]):
+                label = f"{key}.{sub}" if sub is not None else key
+                lines.append(f"  - `{label}`: `{json.dumps(item)}`")
     return lines + [""]
 
 
