@@ -42,8 +42,8 @@ DeepSpeed tuning shared by its systems (0.19.8 source: ``runtime/zero/config.py`
 ``h``, written out so the report shows the numbers): ``overlap_comm`` and ``contiguous_gradients``
 on; ``reduce_bucket_size`` = h^2; ZeRO-3 also ``stage3_prefetch_bucket_size`` = 0.9 h^2,
 ``stage3_param_persistence_threshold`` = 10 h, ``stage3_max_live_parameters`` =
-``stage3_max_reuse_distance`` = 1e9 and ``sub_group_size`` = 1e9 (DeepSpeed's defaults and its
-documented recommendation; 1e9 live elements hold ~8 decoder layers of the 3.14 B shape gathered,
+``stage3_max_reuse_distance`` = 1e9 and ``sub_group_size`` = 1e9 (DeepSpeed's defaults, and the values of
+the HF DeepSpeed guide's ZeRO-3 example; 1e9 live elements hold ~8 decoder layers of the 3.14 B shape gathered,
 far more than the prefetch asks for, and one sub-group per ~1e9 parameters keeps the CPU Adam
 calls few); ``pin_memory`` on every offload. ``fast_init`` is left off:
 0.19.8 reads it only when optimizer state is swapped to NVMe. DeepSpeed's own AdamW
