@@ -228,7 +228,8 @@ def test_baseline_configs_are_the_tuned_ones():
     assert zero3["overlap_comm"] is True and zero3["contiguous_gradients"] is True
     # transformers' "auto" sizes, written out: h^2, 0.9 h^2, 10 h
     assert (zero3["reduce_bucket_size"], zero3["stage3_prefetch_bucket_size"],
-            zero3["stage3_param_persistence_threshold"]) == (9_437_184, 8_493_465, 30_720) == (h * h, int(0.9 * h * h), 10 * h)
+            zero3["stage3_param_persistence_threshold"]) == (9_437_184, 8_493_465, 30_720)
+    assert (9_437_184, 8_493_465, 30_720) == (h * h, int(0.9 * h * h), 10 * h)
     assert zero3["sub_group_size"] == zero3["stage3_max_live_parameters"] == zero3["stage3_max_reuse_distance"] == 10**9
     assert "fast_init" not in zero3["offload_optimizer"]  # NVMe-only in 0.19.8
     zero2 = deepspeed_config("deepspeed_zero2", shape)["zero_optimization"]
@@ -275,7 +276,8 @@ def test_zenflow_refuses_trainer_accumulation(tmp_path):
     check_workload("deepspeed_zenflow", 1)
     with pytest.raises(ValueError, match="update_interval"):
         check_workload("deepspeed_zenflow", 4)
-    args = build_parser().parse_args(["--model", "tiny", "--grad-accum", "4", "--device", "cpu", "--out", str(tmp_path)])
+    args = build_parser().parse_args(["--model", "tiny", "--grad-accum", "4", "--device", "cpu",
+                                      "--out", str(tmp_path)])
     (tmp_path / "logs").mkdir()
     result = run_system("deepspeed_zenflow", args, PRESETS["tiny"], tmp_path)
     assert result["status"] == "unavailable" and "tokens_per_s" not in result

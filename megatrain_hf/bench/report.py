@@ -121,7 +121,8 @@ def _steps_section(results: dict[str, Any]) -> list[str]:
         t = r.get("trend") or {}
         slope, halves = t.get("slope_rel_per_step"), t.get("halves_rel")
         rows.append([n, _times(r.get("warmup_step_times_s", [])), _times(r["step_times_s"]),
-                     DASH if slope is None else f"{100 * slope:+.1f}", DASH if halves is None else f"{100 * halves:+.1f}",
+                     DASH if slope is None else f"{100 * slope:+.1f}",
+                     DASH if halves is None else f"{100 * halves:+.1f}",
                      trend_label(t) or "steady"])
     header = ["system", "warm-up steps s (untimed)", "measured steps s", "slope %/step", "last vs first half %",
               "trend"]
