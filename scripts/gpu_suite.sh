@@ -1,63 +1,176 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests, then training/benchmark runs; everything lands in
-# $OUT/results.tar.gz (+ summary.txt), since only a few files come back.
-#   STAGES="tests train1b" bash scripts/gpu_suite.sh
-# TESTS_K="budget" runs only the GPU tests matching that -k expression.
-# One device call runs at most 600 s: "tests" (~100 s) and "soak" (~400 s) fit together, not with a bench.
+# The project's GPU run, as named stages; a device call runs one or a few of them.
+#
+#   bash scripts/gpu_suite.sh [--dry-run] STAGE...       (or: STAGES="STAGE ..." bash scripts/gpu_suite.sh)
+#   DRY_RUN=1 bash scripts/gpu_suite.sh STAGE...         print every command, run nothing (no GPU needed)
+#   bash scripts/gpu_suite.sh --list                     the stages with their time estimates
+#
+# Limits it is planned for: one call runs at most 600 s wall (BUDGET_S, default 585 s, is what
+# this script allows itself: every stage's timeouts are cut to what is left, so the stages that
+# ran are packed before the call is killed); all calls together get 30 minutes of device time,
+# machine start-up (a minute or more per fresh machine) and idle time included; at most 8 files
+# come back from $OUT.
+#
+# Output, under $OUT (set by the runner; /tmp/out otherwise), named with the commit C
+# (MEGATRAIN_COMMIT when the tree's .git is not the source's, else git's short HEAD):
+#   $OUT/summary-C.txt      a line per stage and command: exit status, time, the report's last lines
+#   $OUT/STAGE-C.json       each bench stage's results.json (per-step times, trends, configs)
+#   $OUT/suite-C.tar.gz     every stage's folder: results.json/.md/.png, worker logs, test logs
+# so a call should run at most 6 stages. Stages that split one workload over two calls (X and
+# X-more) are put side by side afterwards, on any machine, by
+#   python -m megatrain_hf.bench.combine --out combined X/results.json X-more/results.json
+#
+# Stages (estimates from the H200 results in docs/results: one H200, 16 cores, 125 GiB; a worker's
+# wall time = fixed cost (process start, model build, Trainer/engine set-up) + steps x step time;
+# the first DeepSpeed worker on a fresh machine also compiles DeepSpeed's CPU Adam op, ~60 s):
+#   tests                 GPU tests (pytest -m gpu tests/gpu)                           ~140 s (d99d99b: 136 s)
+#   baselines-16k         3.14 B, 16K tokens/step (seq 4096 x mb 4 x ga 1), 8 warm-up + 8 measured steps:
+#                         megatrain ~85 s (fixed ~55, 1.5 s/step), deepspeed ~150 s (+60 compile; fixed
+#                         ~110, 2.5 s/step), deepspeed_zero2 ~140 s (not measured before: fixed ~100,
+#                         ~2 s/step guessed), plain ~50 s (1.05 s/step)                  ~425-485 s
+#   baselines-16k-more    the same workload: deepspeed_offloadpp ~140 s, deepspeed_zenflow ~160 s (both
+#                         not measured before: fixed ~110, ~1.5-2 s/step guessed), fsdp2 ~110 s (fixed
+#                         ~40, ~3 s/step guessed from 8.3 s at 4 x 16K)                  ~410-470 s
+#   baselines-4x16k       3.14 B, 4 x 16K tokens/step (ga 4), 3 warm-up + 4 measured: megatrain ~80 s
+#                         (4.4 s/step), deepspeed ~150 s (+60; 5.6 s/step), plain ~70 s (4.2 s/step)
+#                                                                                        ~300-360 s
+#   baselines-4x16k-more  the same workload: deepspeed_zero2 ~155 s, deepspeed_offloadpp ~145 s (guessed:
+#                         ~6.5 / ~5 s/step), fsdp2 ~100 s (8.3 s/step)                    ~400-460 s
+#   1.36b                 1.36 B, 4 micro-batches (seq 2048 x mb 8 x ga 4), 4 warm-up + 6 measured:
+#                         megatrain and plain, 2.2 s/step each                           ~115 s
+#   7b                    7 B (Llama-2 shape), 8 x 8K (seq 4096 x mb 2 x ga 8), 3 warm-up + 4 measured:
+#                         megatrain, 8.7 s/step, fixed ~75 s                             ~165 s
+#   probe                 host update/copy-engine probe (scripts/host_probe.py)          ~20 s
+#   NAME (letters, digits, _) with BENCH_ARGS_NAME set: `megatrain bench $BENCH_ARGS_NAME`, megatrain's
+#                         options from CONFIG_NAME (JSON), earlier results in out/NAME merged (--merge)
+# The DeepSpeed warm-up is 8 steps at 16K: with 2, its measured steps still got faster
+# (d99d99b: 3.21 / 2.60 / 2.59 / 2.46 / 2.42 s; the report flags such a trend). ZenFlow applies a
+# full update every 4 steps, hence 8 measured steps (whole cycles). DeepSpeed and FSDP2 at 7 B are
+# not run: ZeRO-3's 16 B/param of host state for 6.74 B parameters (108 GB, pinned) leaves no room
+# in 125 GiB beside the process.
+#
+# A plan for 30 device minutes, most wanted first (calls back to back keep the machine warm, so
+# only the first pays the start and the CPU Adam compile):
+#   call 1: baselines-16k                  (~485 s)
+#   call 2: baselines-16k-more             (~410 s)
+#   call 3: baselines-4x16k 1.36b          (~475 s)
+#   call 4: 7b tests                       (~305 s), if the time left allows
+# megatrain runs with its default options in every baselines-*, 1.36b and 7b stage (MEGATRAIN_CONFIG
+# is unset for them).
 set -u
-OUT=${OUT:-/tmp/out}
-R=/tmp/megatrain_results
-mkdir -p "$R" "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-STAGES=${STAGES:-"tests train1b"}
-# Every stage's timeout is cut to what is left of the call (BUDGET_S, default 585 s of the 600 s
-# limit), so the results of the stages that ran are packed before the device call is killed.
-DEADLINE=$(( $(date +%s) + ${BUDGET_S:-585} ))
-left() { local l=$(( DEADLINE - $(date +%s) - 10 )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
-summary() { echo "$*" | tee -a "$R/summary.txt"; }
-summary "commit ${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)} $(date -u +%FT%TZ) stages: $STAGES"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$R/summary.txt" 2>&1
-python3 -c "import torch,transformers,accelerate,peft,sys;print(sys.version.split()[0],torch.__version__,transformers.__version__,accelerate.__version__,peft.__version__)" >> "$R/summary.txt" 2>&1
-nproc >> "$R/summary.txt"; free -g | head -2 >> "$R/summary.txt"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >> "$R/pip.log" 2>&1 && export PYTHONPATH=/tmp/site:$PYTHONPATH
-fi
-for stage in $STAGES; do
-  start=$(date +%s)
-  case $stage in
-    probe)
-      python3 scripts/host_probe.py > "$R/probe.log" 2>&1
-      summary "probe rc=$? $(cat "$R/probe.log" | tail -12)";;
-    tests)
-      MEGATRAIN_GPU_REPORT=$R/gpu_parity.jsonl timeout $(left 420) python3 -m pytest -m gpu tests/gpu -q -rs ${TESTS_K:+-k "$TESTS_K"} > "$R/gpu_tests.log" 2>&1
-      summary "tests rc=$? $(tail -1 "$R/gpu_tests.log")";;
-    train1b)
-      for sys in ${TRAIN1B_SYSTEMS:-megatrain plain}; do
-        timeout $(left 300) python3 scripts/gpu_train.py --system $sys --steps 20 --checkpointing --out "$R/train1b_$sys.json" > "$R/train1b_$sys.log" 2>&1
-        summary "train1b $sys rc=$? $(tail -1 "$R/train1b_$sys.log" | cut -c1-400)"
-      done;;
-    soak)
-      timeout $(left 450) python3 scripts/gpu_soak.py ${SOAK_ARGS:---model llama-1.36b --layers 8 --seq-len 1024 --micro-batch 4 --grad-accum 2 --steps 500 --save-steps 250 --from-step 300} --out "$R/soak.json" > "$R/soak.log" 2>&1
-      summary "soak rc=$? $(tail -1 "$R/soak.log" | cut -c1-600)";;
-    bench*)
-      # BENCH_ARGS_<stage> holds the arguments, e.g. BENCH_ARGS_bench3b="--model llama-3.14b ..."
-      var="BENCH_ARGS_${stage}"
-      [ -d "out/$stage" ] && cp -r "out/$stage" "$R/$stage"  # earlier results, for --merge
-      cfg="CONFIG_${stage}"  # megatrain options for this stage only, e.g. CONFIG_bench7b_cap='{"max_gpu_memory": "24GiB"}'
-      MEGATRAIN_CONFIG=${!cfg:-${MEGATRAIN_CONFIG:-}} timeout $(left 540) python3 -m megatrain_hf.cli bench ${!var} --out "$R/$stage" > "$R/$stage.log" 2>&1
-      summary "$stage rc=$? $(tail -3 "$R/$stage.log" | cut -c1-600)"
-      # --profile: a text summary of each trace goes in the tarball, the trace itself (gzipped) beside it if small
-      for trace in "$R/$stage"/logs/*.trace.json; do
-        [ -f "$trace" ] || continue
-        name=$stage-$(basename "$trace" .json.trace.json)
-        timeout $(left 60) python3 scripts/trace_summary.py "$trace" > "$R/$name-trace.txt" 2>&1
-        gzip -1 "$trace" && mv "$trace.gz" "/tmp/$name-trace.json.gz"
-        [ "$(stat -c %s "/tmp/$name-trace.json.gz")" -lt 15000000 ] && cp "/tmp/$name-trace.json.gz" "$OUT/"
-      done;;
-    *) summary "unknown stage $stage";;
+cd "$(dirname "$0")/.." || exit 2
+
+declare -A ARGS EST
+B16="--model llama-3.14b --seq-len 4096 --micro-batch 4 --grad-accum 1 --warmup-steps 8 --steps 8"
+B64="--model llama-3.14b --seq-len 4096 --micro-batch 4 --grad-accum 4 --warmup-steps 3 --steps 4"
+ARGS[baselines-16k]="$B16 --systems megatrain,deepspeed,deepspeed_zero2,plain --timeout 300"
+ARGS[baselines-16k-more]="$B16 --systems deepspeed_offloadpp,deepspeed_zenflow,fsdp2 --timeout 300"
+ARGS[baselines-4x16k]="$B64 --systems megatrain,deepspeed,plain --timeout 300"
+ARGS[baselines-4x16k-more]="$B64 --systems deepspeed_zero2,deepspeed_offloadpp,fsdp2 --timeout 300"
+ARGS[1.36b]="--model llama-1.36b --seq-len 2048 --micro-batch 8 --grad-accum 4 --warmup-steps 4 --steps 6 --systems megatrain,plain --timeout 200"
+ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
+EST=([tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
+     [1.36b]=115 [7b]=165 [probe]=20)
+ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b probe"
+
+DRY=${DRY_RUN:-}
+[ "$DRY" = 0 ] && DRY=
+stages=()
+for arg in "$@"; do
+  case $arg in
+    --dry-run) DRY=1;;
+    --list) for s in $ORDER; do echo "$s ~${EST[$s]} s ${ARGS[$s]:-}"; done; exit 0;;
+    -*) echo "gpu_suite.sh: unknown option $arg (allowed: --dry-run, --list)" >&2; exit 2;;
+    *) stages+=("$arg");;
   esac
-  summary "stage $stage took $(( $(date +%s) - start )) s"
-  tar -czf "$OUT/results.tar.gz" -C "$R" .  # after every stage: a later timeout keeps what ran
-  cp "$R/summary.txt" "$OUT/summary.txt"
 done
-cat "$R/summary.txt"
+[ ${#stages[@]} -eq 0 ] && read -r -a stages <<< "${STAGES:-}"
+if [ ${#stages[@]} -eq 0 ]; then
+  echo "usage: bash scripts/gpu_suite.sh [--dry-run] STAGE... (stages: $ORDER, or NAME with BENCH_ARGS_NAME)" >&2
+  exit 2
+fi
+
+OUT=${OUT:-/tmp/out}
+C=${MEGATRAIN_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+R=/tmp/megatrain_results/$C
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+BUDGET=${BUDGET_S:-585}
+DEADLINE=$(( $(date +%s) + BUDGET ))
+# left N: N seconds, or what is left of the call less 10 s if that is less (at least 1)
+left() { if [ -n "$DRY" ]; then echo "$1"; return; fi
+         local l=$(( DEADLINE - $(date +%s) - 10 )); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
+summary() { if [ -n "$DRY" ]; then echo "# $*"; else echo "$*" | tee -a "$R/summary.txt"; fi; }
+# run LOG CMD...: the command, its output into LOG; under --dry-run its line instead ("DRY: CMD"),
+# quoted so that a shell reads it back
+run() { local log=$1; shift
+        if [ -n "$DRY" ]; then printf 'DRY:'; printf ' %q' "$@"; printf '\n'; return 0; fi
+        "$@" > "$log" 2>&1; }
+
+if [ -z "$DRY" ]; then
+  mkdir -p "$R" "$OUT"
+  summary "commit $C $(date -u +%FT%TZ) stages: ${stages[*]}"
+  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -c "import sys,torch,transformers,accelerate;print(sys.version.split()[0],torch.__version__,transformers.__version__,accelerate.__version__)"
+    nproc; free -g | head -2; } >> "$R/summary.txt" 2>&1
+  # DeepSpeed and its missing dependencies travel as wheels (shared/wheels/README.md)
+  for w in .whl shared/wheels/py312; do
+    if [ -d "$w" ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w"/*.whl >> "$R/pip.log" 2>&1 \
+        && export PYTHONPATH=/tmp/site:$PYTHONPATH && break
+    fi
+  done
+fi
+
+bench_stage() {  # bench_stage STAGE ARGS [MEGATRAIN_CONFIG]: one megatrain bench invocation into $R/STAGE
+  local stage=$1 args=$2 config=${3:-} budget
+  budget=$(left 575)
+  # shellcheck disable=SC2086  # ARGS are words
+  if [ -n "$config" ]; then
+    run "$R/$stage.log" env MEGATRAIN_CONFIG="$config" timeout $(( budget + 5 )) python3 -m megatrain_hf.cli bench \
+      $args --budget-s "$budget" --out "$R/$stage"
+  else
+    run "$R/$stage.log" env -u MEGATRAIN_CONFIG timeout $(( budget + 5 )) python3 -m megatrain_hf.cli bench \
+      $args --budget-s "$budget" --out "$R/$stage"
+  fi
+  local rc=$?
+  [ -n "$DRY" ] && return 0
+  summary "$stage rc=$rc $(grep -E '^\| ' "$R/$stage/results.md" 2>/dev/null | head -12 | cut -c1-300)"
+  [ -f "$R/$stage/results.json" ] && cp "$R/$stage/results.json" "$OUT/$stage-$C.json"
+  # --profile: a text summary of each trace goes in the tarball
+  for trace in "$R/$stage"/logs/*.trace.json; do
+    [ -f "$trace" ] || continue
+    timeout "$(left 60)" python3 scripts/trace_summary.py "$trace" > "$R/$stage-$(basename "$trace" .json.trace.json)-trace.txt" 2>&1
+    gzip -1 "$trace"
+  done
+}
+
+for stage in "${stages[@]}"; do
+  start=$(date +%s)
+  summary "stage $stage (estimate ~${EST[$stage]:-?} s, $(( DEADLINE - start )) s left in the call)"
+  case $stage in
+    tests)
+      [ -z "$DRY" ] && mkdir -p "$R/tests"
+      run "$R/tests/gpu_tests.log" env MEGATRAIN_GPU_REPORT="$R/tests/gpu_parity.jsonl" timeout "$(left 420)" \
+        python3 -m pytest -m gpu tests/gpu -q -rs ${TESTS_K:+-k "$TESTS_K"}
+      rc=$?; [ -z "$DRY" ] && summary "tests rc=$rc $(tail -1 "$R/tests/gpu_tests.log")";;
+    probe)
+      run "$R/probe.log" timeout "$(left 120)" python3 scripts/host_probe.py
+      rc=$?; [ -z "$DRY" ] && summary "probe rc=$rc $(tail -12 "$R/probe.log")";;
+    baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b)
+      bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda";;
+    *)
+      var="BENCH_ARGS_${stage}" cfg="CONFIG_${stage}"
+      if [[ ! $stage =~ ^[A-Za-z0-9_]+$ ]] || [ -z "${!var:-}" ]; then
+        summary "unknown stage $stage (not one of: $ORDER; nor a NAME with BENCH_ARGS_NAME set)"; continue
+      fi
+      [ -d "out/$stage" ] && [ -z "$DRY" ] && mkdir -p "$R" && cp -r "out/$stage" "$R/$stage"  # earlier results, for --merge
+      merge=; [ -d "out/$stage" ] && merge=--merge
+      bench_stage "$stage" "${!var} $merge" "${!cfg:-}";;
+  esac
+  [ -n "$DRY" ] && continue
+  summary "stage $stage took $(( $(date +%s) - start )) s"
+  tar -czf "$OUT/suite-$C.tar.gz" -C "$R" .  # after every stage: a later timeout keeps what ran
+  cp "$R/summary.txt" "$OUT/summary-$C.txt"
+done
+[ -z "$DRY" ] && cat "$R/summary.txt"
+exit 0

@@ -2,22 +2,29 @@
 
 One real run (tiny Llama, fp32, CPU) of megatrain, plain Trainer and DeepSpeed (not installed
 here, or not runnable on CPU: it must be reported as unavailable, never with numbers). In fp32
-on CPU megatrain is exact, so its per-step losses must match the plain Trainer's.
+on CPU megatrain is exact, so its per-step losses must match the plain Trainer's. Then the pure
+parts: the FLOP convention, the trend test, the baselines' configurations and the GPU suite's
+dry run (every command it would run parses with the bench's own parser).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import struct
 
 import pytest
 
 from megatrain_hf.bench import main
-from megatrain_hf.bench.presets import PRESETS, useful_flops_per_step
+from megatrain_hf.bench.flops import model_flops_per_step, model_flops_per_token, non_embedding_params
+from megatrain_hf.bench.presets import PRESETS
 from megatrain_hf.bench.report import render_markdown, write_reports
-from megatrain_hf.bench.runner import build_parser, merged_results, parse_systems, run_system
-from megatrain_hf.bench.systems import deepspeed_config, fsdp2_config
+from megatrain_hf.bench.runner import build_parser, merged_results, parse_systems, run_system, worker_env
+from megatrain_hf.bench.systems import (DEEPSPEED_SYSTEMS, SYSTEMS, check_workload, deepspeed_config, fsdp2_config,
+                                        host_cores, system_config)
+from megatrain_hf.bench.trend import step_trend, trend_label
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LOSS_ATOL_FP32 = 1e-5
@@ -55,7 +62,9 @@ def test_exit_code_and_files(bench):
     width, height = struct.unpack(">II", png[16:24])  # IHDR chunk
     assert png[12:16] == b"IHDR" and width > 100 and height > 100
     assert report["workload"]["tokens_per_step"] == 32 * 2 * 2
-    assert "6 * P * T + 12 * L * H * S * T" in report["meta"]["flops_formula"]
+    assert "6*N + 12*L*H*Q*S" in report["meta"]["flops_convention"]
+    md = (out / "results.md").read_text()
+    assert "PaLM" in md.split("| system |")[0]  # the convention is stated above the table
 
 
 def test_plain_ran_and_measured(bench):
@@ -64,6 +73,12 @@ def test_plain_ran_and_measured(bench):
     assert plain["status"] == "ok", plain.get("reason")
     assert plain["tokens_per_s"] > 0 and plain["tflops"] > 0
     assert plain["measured_steps"] == 2 and len(plain["steps"]) == 3  # warmup step kept raw, not measured
+    assert plain["step_times_s"] == [s["total_s"] for s in plain["steps"][1:]]
+    assert plain["warmup_step_times_s"] == [plain["steps"][0]["total_s"]]
+    assert plain["trend"]["measured_steps"] == 2 and plain["trend"]["assessed"] is False
+    tokens = report["workload"]["tokens_per_step"]
+    assert plain["tflops"] == pytest.approx(model_flops_per_token(PRESETS["tiny"], 32) * tokens
+                                            / plain["step_time_mean_s"] / 1e12)
     assert plain["step_time_mean_s"] > 0 and plain["host_peak_rss_gib"] > 0
     assert plain["params"] == PRESETS["tiny"].params()
     assert plain["link_bytes_per_step"] is None and "not instrumented" in plain["link_note"]
@@ -82,6 +97,9 @@ def test_deepspeed_reported_unavailable_without_numbers(bench):
     row = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("| deepspeed |"))
     assert not re.search(r"\d", row), row
     assert "unavailable" in row
+    # its configuration is reported all the same, with the sizes derived from the model
+    zero = ds["system_config"]["deepspeed"]["zero_optimization"]
+    assert zero["reduce_bucket_size"] == PRESETS["tiny"].hidden ** 2
 
 
 def test_megatrain_ran_and_matches_plain_losses(bench):
@@ -104,7 +122,7 @@ def _fake_report(results: dict) -> dict:
     workload = {"model": "tiny", "shape": PRESETS["tiny"].to_dict(), "approx_params": 1, "seq_len": 8,
                 "micro_batch": 1, "grad_accum": 1, "tokens_per_step": 8, "steps": 1, "warmup_steps": 0,
                 "dtype": "bf16", "device": "cuda", "seed": 0, "activation_checkpointing": True}
-    meta = {"flops_formula": "f", "hardware": {"gpus": None, "cpu_model": "x", "cpu_logical": 1, "cpu_physical": 1,
+    meta = {"flops_convention": "f", "hardware": {"gpus": None, "cpu_model": "x", "cpu_logical": 1, "cpu_physical": 1,
                                                "ram_total_gib": 1.0},
             "git": {"commit": None, "note": "no git", "dirty": None}, "versions": {"torch": "t"},
             "command_line": "c", "argv": [], "created_utc": "d"}
@@ -134,22 +152,152 @@ def test_worker_timeout_is_a_failure_with_reason(tmp_path):
     assert "tokens_per_s" not in result
 
 
-def test_flops_formula_and_presets():
+def test_flops_formula_llama_7b_by_hand():
+    """PaLM's convention for the Llama-2-7B shape at S = 4096, against a hand computation."""
+    shape = PRESETS["llama-7b"]
+    # per layer: q, k, v, o 4 x 4096^2 = 67,108,864; gate, up, down 3 x 4096 x 11008 = 135,266,304;
+    # two norms 8,192 -> 202,383,360; x 32 = 6,476,267,520; + final norm 4,096 + LM head
+    # 32,000 x 4,096 = 131,072,000 -> N = 6,607,343,616 (the input table, another 131,072,000, left out)
+    assert shape.params() == 6_738_415_616
+    assert non_embedding_params(shape) == 6_607_343_616
+    # 6 N = 39,644,061,696; 12 L H Q S = 12 x 32 x 32 x 128 x 4096 = 6,442,450,944
+    assert model_flops_per_token(shape, 4096) == 46_086_512_640
+    assert model_flops_per_step(shape, 4096, 65_536) == 46_086_512_640 * 65_536
+    # a tied table is one tensor: counted once, as the head
+    tied = dataclasses.replace(shape, tied=True)
+    assert non_embedding_params(tied) == tied.params() == 6_607_343_616
+    # GQA: H counts query heads; the smaller k/v projections only change N
+    gqa = dataclasses.replace(shape, kv_heads=8)
+    assert model_flops_per_token(gqa, 4096) - 6 * non_embedding_params(gqa) == 6_442_450_944
+    with pytest.raises(ValueError):
+        model_flops_per_token(shape, 0)
+
+
+def test_presets_sizes():
     assert PRESETS["llama-3.14b"].params() == pytest.approx(3.14e9, rel=0.01)
     assert PRESETS["llama-1.36b"].params() == pytest.approx(1.36e9, rel=0.01)
     assert PRESETS["llama-7b"].params() == pytest.approx(6.74e9, rel=0.01)
+
+
+def test_trend_flags_warming_up_and_not_steady_noise():
+    steady = [2.00, 2.02, 1.99, 2.01, 2.00, 1.98, 2.01, 2.00]
+    t = step_trend(steady)
+    assert t["assessed"] and t["flag"] is None and trend_label(t) == ""
+    assert abs(t["slope_rel_per_step"]) < 0.002
+    # DeepSpeed ZeRO-3 at 16K with two warm-up steps (d99d99b, steps 3-6): still getting faster
+    warming = [2.600, 2.588, 2.460, 2.418]
+    t = step_trend(warming)
+    assert t["flag"] == "warming_up"
+    assert t["slope_rel_per_step"] == pytest.approx(-0.0674 / 2.5165, rel=1e-3)
+    assert t["halves_rel"] == pytest.approx((2.439 - 2.594) / 2.5165, rel=1e-3)
+    assert trend_label(t).startswith("still warming up: steps trend -2.7 %/step")
+    slowing = [1.0, 1.02, 1.04, 1.06, 1.08]
+    assert step_trend(slowing)["flag"] == "slowing_down"
+    assert trend_label(step_trend(slowing)).startswith("slowing down: steps trend +")
+    # a drift too slow per step for the slope limit that still adds up over a long run: halves catch it
+    slow = [1.0 + 0.006 * i for i in range(12)]
+    t = step_trend(slow)
+    assert abs(t["slope_rel_per_step"]) < 0.01 and t["halves_rel"] > 0.03 and t["flag"] == "slowing_down"
+    # two steps: a difference, not a trend
+    t = step_trend([2.6, 2.4])
+    assert t["assessed"] is False and t["flag"] is None and "not assessed" in trend_label(t)
+
+
+def test_report_shows_trend_next_to_the_system_and_every_step(tmp_path):
+    ok = {"status": "ok", "tokens_per_s": 6000.0, "tflops": 120.0, "step_time_mean_s": 2.5165,
+          "step_time_median_s": 2.524, "host_peak_rss_gib": 70.0, "host_ru_maxrss_gib": 70.1,
+          "gpu_peak_allocated_gib": 10.0,
+          "link_bytes_per_step": None, "phases_mean_s": {p: 0.1 for p in ("between", "fwd_bwd", "optimizer", "post")},
+          "warmup_step_times_s": [6.789, 3.211], "step_times_s": [2.600, 2.588, 2.460, 2.418],
+          "trend": step_trend([2.600, 2.588, 2.460, 2.418])}
+    report = _fake_report({"deepspeed": ok})
+    md = render_markdown(report)
+    row = next(line for line in md.splitlines() if line.startswith("| deepspeed ("))
+    assert "still warming up: steps trend -2.7 %/step" in row
+    assert "| deepspeed | 6.789, 3.211 | 2.600, 2.588, 2.460, 2.418 | -2.7 | -6.2 | still warming up" in md
+    assert "Trend rule: flagged when" in md
+
+
+def test_baseline_configs_are_the_tuned_ones():
     shape = PRESETS["llama-3.14b"]
-    flops = useful_flops_per_step(3_140_000_000, shape, 4096, 16384)
-    assert flops == 6 * 3_140_000_000 * 16384 + 12 * 26 * 3072 * 4096 * 16384
-
-
-def test_baseline_configs_offload_to_pinned_cpu():
-    zero = deepspeed_config()["zero_optimization"]
-    assert zero["stage"] == 3
-    assert zero["offload_param"] == {"device": "cpu", "pin_memory": True}
-    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    h = shape.hidden
+    zero3 = deepspeed_config("deepspeed", shape)["zero_optimization"]
+    assert zero3["stage"] == 3
+    assert zero3["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert zero3["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero3["overlap_comm"] is True and zero3["contiguous_gradients"] is True
+    # transformers' "auto" sizes, written out: h^2, 0.9 h^2, 10 h
+    assert (zero3["reduce_bucket_size"], zero3["stage3_prefetch_bucket_size"],
+            zero3["stage3_param_persistence_threshold"]) == (9_437_184, 8_493_465, 30_720)
+    assert (9_437_184, 8_493_465, 30_720) == (h * h, int(0.9 * h * h), 10 * h)
+    assert zero3["sub_group_size"] == zero3["stage3_max_live_parameters"] == zero3["stage3_max_reuse_distance"] == 10**9
+    assert "fast_init" not in zero3["offload_optimizer"]  # NVMe-only in 0.19.8
+    zero2 = deepspeed_config("deepspeed_zero2", shape)["zero_optimization"]
+    assert zero2["stage"] == 2 and "offload_param" not in zero2  # weights stay on the GPU
+    assert zero2["offload_optimizer"] == {"device": "cpu", "pin_memory": True} and zero2["reduce_bucket_size"] == h * h
+    assert not any(k.startswith("stage3_") for k in zero2)
+    pp = deepspeed_config("deepspeed_offloadpp", shape)["zero_optimization"]
+    assert pp["stage"] == 3 and pp["offload_optimizer"]["ratio"] == 0.3 and "offload_param" not in pp
+    # ratio is resolved per sub-group (the first int((1 - ratio) n) on the GPU): enough of them
+    groups = -(-shape.params() // pp["sub_group_size"])
+    assert groups >= 30 and abs((groups - int(0.7 * groups)) / groups - 0.3) < 0.05
+    zf = deepspeed_config("deepspeed_zenflow", shape)["zero_optimization"]
+    assert zf["stage"] == 2 and zf["offload_optimizer"]["device"] == "cpu" and zf["overlap_comm"] is True
+    assert zf["zenflow"]["update_interval"] == 4 and zf["zenflow"]["overlap_step"] is True
+    assert 0 < zf["zenflow"]["topk_ratio"] < 1
+    for system in DEEPSPEED_SYSTEMS:
+        config = deepspeed_config(system, shape)
+        assert config["optimizer"]["type"] == "AdamW" and "scheduler" not in config  # CPU Adam; Trainer's schedule
     fsdp = fsdp2_config()
     assert fsdp["version"] == 2 and fsdp["cpu_offload"] is True
+    with pytest.raises(ValueError, match="not a DeepSpeed system"):
+        deepspeed_config("fsdp2", shape)
+
+
+def test_every_system_is_documented_and_configured():
+    shape = PRESETS["tiny"]
+    for system in SYSTEMS:
+        config = system_config(system, shape)
+        assert config["note"]
+    assert "stale by design" in system_config("deepspeed_zenflow", shape)["note"]
+
+
+def test_cpu_optimizer_threads_are_the_hosts_cores(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # what a launcher may leave behind
+    cores = host_cores()
+    assert 1 <= cores <= (os.cpu_count() or 1)
+    for system in DEEPSPEED_SYSTEMS | {"fsdp2"}:
+        assert worker_env(system)["OMP_NUM_THREADS"] == str(cores)
+        assert system_config(system, PRESETS["tiny"])["OMP_NUM_THREADS"] == cores
+    assert worker_env("megatrain")["OMP_NUM_THREADS"] == "1"  # megatrain and plain: the environment as given
+
+
+def test_zenflow_refuses_trainer_accumulation(tmp_path):
+    check_workload("deepspeed_zenflow", 1)
+    with pytest.raises(ValueError, match="update_interval"):
+        check_workload("deepspeed_zenflow", 4)
+    args = build_parser().parse_args(["--model", "tiny", "--grad-accum", "4", "--device", "cpu",
+                                      "--out", str(tmp_path)])
+    (tmp_path / "logs").mkdir()
+    result = run_system("deepspeed_zenflow", args, PRESETS["tiny"], tmp_path)
+    assert result["status"] == "unavailable" and "tokens_per_s" not in result
+
+
+def test_deepspeed_accepts_the_configs():
+    """DeepSpeed's own config classes (extra keys forbidden) take every config, "auto" filled in."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    for system in sorted(DEEPSPEED_SYSTEMS):
+        config = deepspeed_config(system, PRESETS["llama-3.14b"])
+        config.update(bf16={"enabled": True}, fp16={"enabled": False}, gradient_accumulation_steps=1,
+                      gradient_clipping=1.0, train_batch_size=4, train_micro_batch_size_per_gpu=4)
+        config["optimizer"]["params"] = {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+        zero = DeepSpeedConfig(config).zero_config
+        expected = config["zero_optimization"]
+        assert int(zero.stage) == expected["stage"] and zero.reduce_bucket_size == expected["reduce_bucket_size"]
+        assert zero.offload_optimizer.ratio == expected["offload_optimizer"].get("ratio", 1.0)
+        assert (zero.zenflow is not None) == ("zenflow" in expected)
 
 
 def test_cli_rejects_unknown_system_and_mismatched_merge(tmp_path):
@@ -238,3 +386,117 @@ def test_link_bytes_count_the_device_updates_state():
     assert link_bytes("megatrain", counters)["link_bytes_per_step"] == {"h2d": 1100, "d2h": 2010, "total": 3110}
     stats.reset()
     assert stats.update_h2d_bytes == stats.update_d2h_bytes == stats.h2d_bytes == 0
+
+
+def test_gpu_suite_dry_run_commands_parse():
+    """Every stage of scripts/gpu_suite.sh, dry: each bench command parses with the bench's own
+    parser, names known systems that accept the workload, and fits one call by its estimate."""
+    import shlex
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    listing = subprocess.run(["bash", "scripts/gpu_suite.sh", "--list"], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.splitlines()
+    stages = {line.split()[0]: int(line.split()[1].strip("~")) for line in listing}
+    assert {"tests", "baselines-16k", "baselines-4x16k", "1.36b", "7b"} <= set(stages)
+    assert all(estimate <= 585 for estimate in stages.values()), stages
+    env = {**os.environ, "DRY_RUN": "1", "MEGATRAIN_COMMIT": "abc1234", "MEGATRAIN_CONFIG": '{"device_update": true}'}
+    done = subprocess.run(["bash", "scripts/gpu_suite.sh", *stages], cwd=root, capture_output=True, text=True,
+                          env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    commands = [shlex.split(line[len("DRY:"):]) for line in done.stdout.splitlines() if line.startswith("DRY:")]
+    assert len(commands) == len(stages)
+    benches = {}
+    for words in commands:
+        if "megatrain_hf.cli" not in words:
+            continue
+        argv = words[words.index("bench") + 1:]
+        args = build_parser().parse_args(argv)
+        stage = Path(args.out).name
+        assert Path(args.out).parent.name == "abc1234"  # named with the commit
+        assert words[:3] == ["env", "-u", "MEGATRAIN_CONFIG"]  # megatrain's defaults in the comparisons
+        for system in parse_systems(args.systems):
+            check_workload(system, args.grad_accum)
+        assert args.budget_s is not None and args.device == "cuda" and args.dtype == "bf16"
+        benches[stage] = args
+    assert set(benches) == set(stages) - {"tests", "probe"}
+    sixteen = benches["baselines-16k"]
+    assert (sixteen.model, sixteen.seq_len * sixteen.micro_batch * sixteen.grad_accum) == ("llama-3.14b", 16384)
+    assert sixteen.warmup_steps >= 8 and "deepspeed" in sixteen.systems
+    four = benches["baselines-4x16k"]
+    assert (four.seq_len * four.micro_batch, four.grad_accum) == (16384, 4)
+    assert (benches["1.36b"].model, benches["1.36b"].grad_accum) == ("llama-1.36b", 4)
+    seven = benches["7b"]
+    assert (seven.model, seven.seq_len * seven.micro_batch, seven.grad_accum) == ("llama-7b", 8192, 8)
+    ran = {s for a in benches.values() for s in parse_systems(a.systems)}
+    assert ran == set(SYSTEMS)  # every system has a stage
+    more = benches["baselines-16k-more"]
+    assert more.steps % 4 == 0  # ZenFlow's whole update cycles
+
+
+def test_budget_skips_systems_without_time_and_combine_joins_parts(tmp_path):
+    from megatrain_hf.bench.combine import combine, main as combine_main
+
+    out = tmp_path / "part"
+    assert main(["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--systems", "plain,megatrain",
+                 "--budget-s", "10", "--out", str(out)]) == 1  # nothing ran
+    report = json.loads((out / "results.json").read_text())
+    for result in report["results"].values():
+        assert result["status"] == "skipped" and "--budget-s 10" in result["reason"] and "tokens_per_s" not in result
+    row = next(line for line in (out / "results.md").read_text().splitlines() if line.startswith("| plain |"))
+    assert not re.search(r"\d", row)
+    a, b = _fake_report({"deepspeed": {"status": "unavailable", "reason": "x"}}), _fake_report(
+        {"plain": {"status": "unavailable", "reason": "y"}})
+    combined = combine([("a.json", a), ("b.json", b)])
+    assert list(combined["results"]) == ["plain", "deepspeed"]  # the bench's order
+    assert combined["results"]["plain"]["source"]["file"] == "b.json"
+    b["workload"] = {**b["workload"], "seq_len": 16}
+    with pytest.raises(ValueError, match="differs"):
+        combine([("a.json", a), ("b.json", b)])
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    assert combine_main(["--out", str(tmp_path / "c"), str(tmp_path / "a.json")]) == 0
+    assert "Combined from `" in (tmp_path / "c" / "results.md").read_text()
+
+
+def test_deepspeed_system_check_reads_what_took_effect():
+    """The check on a stand-in for DeepSpeed's engine: passes on the configured variant, fails on another."""
+    import enum
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    from transformers import LlamaConfig
+
+    from megatrain_hf.bench.systems import _check_deepspeed
+
+    class Device(str, enum.Enum):  # DeepSpeed's OffloadDeviceEnum
+        cpu = "cpu"
+
+    def trainer(system, stage, param, ratio, zenflow, basic="DeepSpeedCPUAdam", placement=None):
+        opt = SimpleNamespace(device=Device.cpu, pin_memory=True, ratio=ratio)
+        engine = SimpleNamespace(
+            zero_optimization_stage=lambda: stage, zero_offload_optimizer=lambda: opt,
+            zero_offload_param=lambda: SimpleNamespace(device=Device.cpu) if param else None, zenflow=zenflow,
+            optimizer=SimpleNamespace(subgroup_to_device=placement) if placement else SimpleNamespace(),
+            basic_optimizer=type(basic, (), {})())
+        shape = PRESETS["tiny"]
+        config = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                             num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                             num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab, tie_word_embeddings=False)
+        return SimpleNamespace(accelerator=SimpleNamespace(distributed_type=DistributedType.DEEPSPEED),
+                               model_wrapped=engine, model=SimpleNamespace(config=config))
+
+    facts = _check_deepspeed(trainer("deepspeed", 3, True, 1.0, False), "deepspeed")
+    assert facts["offload_param_device"] == "cpu" and facts["basic_optimizer"] == "DeepSpeedCPUAdam"
+    placement = {i: ("cuda" if i < 7 else "cpu") for i in range(10)}
+    facts = _check_deepspeed(trainer("pp", 3, False, 0.3, False, placement=placement), "deepspeed_offloadpp")
+    assert (facts["optimizer_subgroups"], facts["optimizer_subgroups_on_cpu"]) == (10, 3)
+    assert _check_deepspeed(trainer("zf", 2, False, 1.0, True, "ZenFlowCPUAdam"), "deepspeed_zenflow")["zenflow"]
+    with pytest.raises(RuntimeError, match="offload ratio"):
+        _check_deepspeed(trainer("pp", 3, False, 1.0, False), "deepspeed_offloadpp")
+    with pytest.raises(RuntimeError, match="ZeRO stage 2"):
+        _check_deepspeed(trainer("z2", 3, False, 1.0, False), "deepspeed_zero2")
+    with pytest.raises(RuntimeError, match="offload devices"):
+        _check_deepspeed(trainer("z2", 2, True, 1.0, False), "deepspeed_zero2")
+    with pytest.raises(RuntimeError, match="CPU Adam"):
+        _check_deepspeed(trainer("z3", 3, True, 1.0, False, "FusedAdam"), "deepspeed")

@@ -28,6 +28,8 @@ import psutil
 import torch
 from transformers import TrainerCallback
 
+from .trend import step_trend
+
 logger = logging.getLogger(__name__)
 
 PHASES = ("between", "fwd_bwd", "optimizer", "post")
@@ -277,13 +279,17 @@ def ru_maxrss_bytes() -> int:
 
 
 def summarize_steps(steps: list[dict[str, Any]], warmup_steps: int) -> dict[str, Any]:
-    """Mean/median of the measured steps (warmup steps dropped) and mean phase times."""
+    """Every measured step's time (warmup steps dropped), their mean/median, their trend
+    (:func:`.trend.step_trend`) and the mean phase times."""
     measured = [s for s in steps if s["step"] > warmup_steps]
     if not measured:
         raise RuntimeError(f"no measured step: {len(steps)} steps ran, {warmup_steps} of them warmup")
     totals = [s["total_s"] for s in measured]
     summary = {
         "measured_steps": len(measured),
+        "step_times_s": totals,
+        "warmup_step_times_s": [s["total_s"] for s in steps if s["step"] <= warmup_steps],
+        "trend": step_trend(totals),
         "step_time_mean_s": statistics.fmean(totals),
         "step_time_median_s": statistics.median(totals),
         "step_time_min_s": min(totals),

@@ -1,16 +1,9 @@
-"""Model shapes the benchmark knows by name, and the FLOP convention it reports with.
+"""Model shapes the benchmark knows by name.
 
 Every system in one benchmark run trains the same Llama-architecture shape (untied embeddings,
 full multi-head attention unless ``kv_heads`` says otherwise), built from a config with random
-weights: no hub access, and the numbers do not depend on what a checkpoint contains.
-
-TFLOPS convention (the same everywhere in the project, docs/architecture section 5)::
-
-    useful FLOPs per optimizer step = 6 * P * T + 12 * L * H * S * T
-
-with P the trainable parameters, T the tokens per optimizer step, L layers, H hidden size, S the
-sequence length. Activation recompute is NOT counted as useful work, so a system that recomputes
-more does not look faster for it.
+weights: no hub access, and the numbers do not depend on what a checkpoint contains. The FLOP
+convention the bench reports with is in :mod:`.flops`.
 """
 
 from __future__ import annotations
@@ -51,14 +44,3 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
             "of heads and heads a multiple of kv_heads; fix --hidden/--heads/--kv-heads."
         )
     return shape
-
-
-def useful_flops_per_step(params: int, shape: ModelShape, seq_len: int, tokens_per_step: int) -> float:
-    """``6 * P * T + 12 * L * H * S * T`` (recompute not counted)."""
-    return 6.0 * params * tokens_per_step + 12.0 * shape.layers * shape.hidden * seq_len * tokens_per_step
-
-
-FLOPS_FORMULA = (
-    "TFLOPS = (6 * P * T + 12 * L * H * S * T) / step_time / 1e12; P trainable params, T tokens per optimizer "
-    "step, L layers, H hidden, S sequence length; recompute not counted"
-)

@@ -2,7 +2,11 @@
 
 A system that did not run (status "unavailable" or "failed") gets its status and, below the
 table, its reason; no cell of its row ever holds a number. Speed-ups are ratios of tokens/s and
-appear only where both systems ran.
+appear only where both systems ran. TFLOPS follow the convention of :mod:`.flops` (PaLM's model
+FLOPs), stated at the top of the report. A system whose measured steps still trend
+(:mod:`.trend`) carries the flag next to its name ("still warming up: steps trend -4.1 %/step"),
+and every measured step's time is listed. Each system's own configuration (the DeepSpeed and
+FSDP configs written out, megatrain's options) is listed at the end.
 """
 
 from __future__ import annotations
@@ -11,6 +15,9 @@ import json
 import logging
 from pathlib import Path
 from typing import Any
+
+from .trend import RULE as TREND_RULE
+from .trend import trend_label
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +49,18 @@ def _speedup(r: dict[str, Any], base: dict[str, Any] | None) -> str:
     return f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x"
 
 
+def _name_cell(name: str, r: dict[str, Any]) -> str:
+    label = trend_label(r.get("trend")) if _ok(r) else ""
+    return f"{name} ({label})" if label else name
+
+
 def _main_row(name: str, r: dict[str, Any], results: dict[str, Any], cuda: bool) -> list[str]:
     if not _ok(r):
         return [name, r.get("status", "failed")] + [DASH] * 8
     link = r.get("link_bytes_per_step")
     gpu = _num(r.get("gpu_peak_allocated_gib"), ".2f") if cuda else "n/a (cpu)"
     return [
-        name, "ok",
+        _name_cell(name, r), "ok",
         f"{r['tokens_per_s']:,.0f}",
         f"{r['tflops']:.1f}" if r["tflops"] >= 1 else f"{r['tflops']:.3g}",
         f"{r['step_time_mean_s']:.3f} / {r['step_time_median_s']:.3f}",
@@ -79,16 +91,60 @@ def render_markdown(report: dict[str, Any]) -> str:
     cuda = w["device"] == "cuda"
     header = ["system", "status", "tokens/s", "TFLOPS", "step time s (mean / median)", "GPU peak GiB",
               "host peak RSS GiB", "link GB/step", "vs deepspeed", "vs plain"]
-    lines = ["# megatrain benchmark", "", _workload_line(w), ""]
+    convention = meta.get("flops_convention") or meta.get("flops_formula")
+    lines = ["# megatrain benchmark", "", _workload_line(w), "", f"{convention}.", ""]
     lines += _table(header, [_main_row(n, r, results, cuda) for n, r in results.items()])
-    lines += ["", f"{meta['flops_formula']}.", ""]
+    lines += [""]
+    if "deepspeed_zenflow" in results:
+        lines += ["deepspeed_zenflow's updates are stale by design (ZenFlow applies most of each gradient "
+                  "asynchronously, steps later): its throughput is not that of the same optimizer as the others'.", ""]
     carried = [f"{n} ({r['carried_over'].get('created_utc')}, commit {r['carried_over'].get('git_commit')})"
                for n, r in results.items() if r.get("carried_over")]
     if carried:
         lines += [f"Carried over with --merge from an earlier invocation: {'; '.join(carried)}.", ""]
-    lines += _phase_section(results) + _memory_section(results, cuda) + _loss_section(results)
-    lines += _not_run_section(results) + _definitions_section(meta) + _meta_section(meta)
+    lines += _steps_section(results) + _phase_section(results) + _memory_section(results, cuda)
+    lines += _loss_section(results) + _not_run_section(results) + _config_section(results)
+    lines += _definitions_section(meta) + _meta_section(meta)
     return "\n".join(lines) + "\n"
+
+
+def _times(values: list[float]) -> str:
+    return ", ".join(f"{v:.3f}" for v in values) if values else DASH
+
+
+def _steps_section(results: dict[str, Any]) -> list[str]:
+    ok = {n: r for n, r in results.items() if _ok(r) and r.get("step_times_s")}
+    if not ok:
+        return []
+    rows = []
+    for n, r in ok.items():
+        t = r.get("trend") or {}
+        slope, halves = t.get("slope_rel_per_step"), t.get("halves_rel")
+        rows.append([n, _times(r.get("warmup_step_times_s", [])), _times(r["step_times_s"]),
+                     DASH if slope is None else f"{100 * slope:+.1f}",
+                     DASH if halves is None else f"{100 * halves:+.1f}",
+                     trend_label(t) or "steady"])
+    header = ["system", "warm-up steps s (untimed)", "measured steps s", "slope %/step", "last vs first half %",
+              "trend"]
+    return (["## Per-step times (seconds, in step order)", ""] + _table(header, rows)
+            + ["", f"Trend rule: {TREND_RULE}.", ""])
+
+
+def _config_section(results: dict[str, Any]) -> list[str]:
+    configured = {n: r["system_config"] for n, r in results.items() if r.get("system_config")}
+    if not configured:
+        return []
+    lines = ["## System configurations", ""]
+    for name, config in configured.items():
+        lines.append(f"- **{name}**: {config.get('note', '')}")
+        for key, value in config.items():
+            if key == "note":
+                continue
+            nested = isinstance(value, dict) and any(isinstance(v, dict) for v in value.values())
+            for sub, item in (value.items() if nested else [(None, value)]):
+                label = f"{key}.{sub}" if sub is not None else key
+                lines.append(f"  - `{label}`: `{json.dumps(item)}`")
+    return lines + [""]
 
 
 def _phase_section(results: dict[str, Any]) -> list[str]:
@@ -148,8 +204,12 @@ def _meta_section(meta: dict[str, Any]) -> list[str]:
     commit = git["commit"] or f"unknown ({git['note']})"
     dirty = " (uncommitted changes)" if git.get("dirty") else ""
     versions = ", ".join(f"{k} {val}" for k, val in v.items() if val)
+    combined = [f"- Combined from `{c['file']}` (commit {c.get('git_commit')}, {c.get('created_utc')})"
+                for c in meta.get("combined_from", [])]
+    if meta.get("combined_note"):
+        combined.append(f"- Note: {meta['combined_note']}")
     return [
-        "## Run", "",
+        "## Run", "", *combined,
         (f"- Hardware: GPU {gpus}; CPU {hw.get('cpu_model')} ({hw['cpu_logical']} logical / "
          f"{hw['cpu_physical']} physical cores); RAM {hw['ram_total_gib']:.1f} GiB"),
         f"- Commit: {commit}{dirty}",

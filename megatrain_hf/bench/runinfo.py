@@ -20,7 +20,9 @@ from typing import Any
 
 import psutil
 
-from .presets import FLOPS_FORMULA, ModelShape
+from .flops import FLOPS_CONVENTION, model_flops_per_token
+from .presets import ModelShape
+from .trend import RULE as TREND_RULE
 
 PACKAGES = ("torch", "transformers", "accelerate", "deepspeed", "peft", "megatrain_hf")
 
@@ -35,6 +37,7 @@ def workload(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]:
         "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum,
         "tokens_per_step": args.seq_len * args.micro_batch * args.grad_accum,
+        "model_flops_per_token": model_flops_per_token(shape, args.seq_len),
         "steps": args.steps,
         "warmup_steps": args.warmup_steps,
         "dtype": args.dtype,
@@ -111,16 +114,18 @@ def run_metadata(argv: list[str] | None, out: Path) -> dict[str, Any]:
         "git": git_info(),
         "hardware": hardware(),
         "versions": versions(),
-        "flops_formula": FLOPS_FORMULA,
+        "flops_convention": FLOPS_CONVENTION,
         "definitions": DEFINITIONS,
     }
 
 
 DEFINITIONS = {
     "step_time": "wall time from the end of one optimizer step to the end of the next (on_step_end to "
-                 "on_step_end, device synchronized), warmup steps excluded; mean and median over measured steps",
+                 "on_step_end, device synchronized), warmup steps excluded; mean and median over measured steps; "
+                 "every step's time in step_times_s (warmup steps' in warmup_step_times_s)",
+    "trend": "whether the measured steps still get faster or slower: " + TREND_RULE,
     "tokens_per_s": "tokens_per_step / mean step time (= measured tokens / measured wall time)",
-    "tflops": FLOPS_FORMULA + "; computed with the mean step time",
+    "tflops": FLOPS_CONVENTION,
     "gpu_peak": "torch.cuda.max_memory_allocated from the moment the model is built (its random init, on the "
                 "GPU for systems other than DeepSpeed, is then freed and the statistics reset) to the end of "
                 "training; megatrain under max_gpu_memory: its own maxima; also max_memory_reserved, and device "

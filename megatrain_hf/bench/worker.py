@@ -19,8 +19,10 @@ import time
 import traceback
 from typing import Any
 
-from .presets import ModelShape, add_shape_arguments, shape_from_args, useful_flops_per_step
-from .systems import DISTRIBUTED_SYSTEMS, SYSTEMS, SystemCheck, extra_callbacks, training_arguments
+from .flops import model_flops_per_step, model_flops_per_token
+from .presets import ModelShape, add_shape_arguments, shape_from_args
+from .systems import (DEEPSPEED_SYSTEMS, DISTRIBUTED_SYSTEMS, SYSTEMS, ZERO3_SYSTEMS, SystemCheck, check_workload,
+                      extra_callbacks, training_arguments)
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +67,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_available(system: str, device: str) -> None:
-    """Raise :class:`Unavailable` with the reason when ``system`` cannot run on ``device`` here."""
+def check_available(system: str, device: str, grad_accum: int = 1) -> None:
+    """Raise :class:`Unavailable` with the reason when ``system`` cannot run this workload here."""
     import torch
 
-    if system == "deepspeed":
+    try:
+        check_workload(system, grad_accum)
+    except ValueError as exc:
+        raise Unavailable(str(exc)) from exc
+    if system in DEEPSPEED_SYSTEMS:
         try:
             import deepspeed  # noqa: F401
         except Exception as exc:  # ImportError, or a broken install raising anything else
@@ -130,7 +136,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     from .metrics import PhaseMarks, ResourceSampler, StepProfiler, StepTimer
 
-    check_available(args.system, args.device)
+    check_available(args.system, args.device, args.grad_accum)
     shape = shape_from_args(args)
     cuda = args.device == "cuda"
     if cuda:
@@ -141,12 +147,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix=f"bench-{args.system}-") as tmp:
             t0 = time.perf_counter()
             targs = training_arguments(
-                args.system, output_dir=tmp, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
+                args.system, shape=shape, output_dir=tmp, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
                 max_steps=profiled_step(args) if args.profile else args.warmup_steps + args.steps,
                 bf16=args.dtype == "bf16", use_cpu=not cuda, seed=args.seed,
             )  # before the model: under ZeRO-3, from_config then builds it partitioned (zero.Init)
             # ZeRO-3 builds partitioned under zero.Init (its own device handling); others on the GPU
-            init_device = "cuda" if cuda and args.system != "deepspeed" else "cpu"
+            init_device = "cuda" if cuda and args.system not in ZERO3_SYSTEMS else "cpu"
             model = build_model(shape, args.seq_len, args.seed, init_device)
             if init_device == "cuda":  # the init's blocks must not stay cached or count as a peak
                 torch.cuda.empty_cache()
@@ -203,7 +209,7 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
     last = args.warmup_steps + args.steps  # the two steps of a profile after it are not measured
     summary = summarize_steps([s for s in timer.steps if s["step"] <= last], args.warmup_steps)
     tokens = args.micro_batch * args.seq_len * args.grad_accum
-    flops = useful_flops_per_step(params, shape, args.seq_len, tokens)
+    flops = model_flops_per_step(shape, args.seq_len, tokens)
     mean_s, median_s = summary["step_time_mean_s"], summary["step_time_median_s"]
     gib = 2**30
     cuda = args.device == "cuda"
@@ -211,7 +217,8 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
         "status": "ok",
         "params": params,
         "tokens_per_step": tokens,
-        "useful_flops_per_step": flops,
+        "model_flops_per_token": model_flops_per_token(shape, args.seq_len),
+        "model_flops_per_step": flops,
         **summary,
         "tokens_per_s": tokens / mean_s,
         "tokens_per_s_median_step": tokens / median_s,

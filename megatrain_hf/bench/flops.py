@@ -1,0 +1,47 @@
+"""Model FLOPs of one training token, by PaLM's convention: the one place the bench computes them.
+
+Convention (Chowdhery et al. 2022, "PaLM", Appendix B; the MFU estimate of nanoGPT)::
+
+    FLOPs per token = 6 * N + 12 * L * H * Q * S
+
+- ``N``: the model's parameters, excluding the input-embedding lookup table (a lookup does no
+  multiply-adds). The LM head is a matmul and counts; a table tied to the LM head is one tensor
+  and counts once, as the head.
+- ``6 * N``: forward (2 per parameter per token) plus backward (4).
+- ``12 * L * H * Q * S``: the attention score and value matmuls (``QK^T`` and ``AV``), forward and
+  backward, with ``L`` layers, ``H`` query heads, ``Q`` the head dimension and ``S`` the sequence
+  length. Causal attention is counted in full (as PaLM does), not halved.
+- Activation recompute is NOT counted: this is the model's work, the same for every system, so a
+  system that recomputes more does not look faster for it. Nor are the optimizer, norms,
+  activations or the loss.
+
+``TFLOPS = model_flops_per_token(shape, S) * tokens per optimizer step / step time / 1e12``.
+"""
+
+from __future__ import annotations
+
+from ..memory import ModelShape
+
+FLOPS_CONVENTION = (
+    "TFLOPS = model FLOPs per token x tokens per optimizer step / mean step time / 1e12, PaLM's convention "
+    "(Chowdhery et al. 2022, App. B): FLOPs per token = 6*N + 12*L*H*Q*S, N the parameters without the "
+    "input-embedding table (a tied table counts once, as the LM head), L layers, H query heads, Q head dim, "
+    "S sequence length; causal attention counted in full; activation recompute not counted"
+)
+
+
+def non_embedding_params(shape: ModelShape) -> int:
+    """``N``: every parameter except the input-embedding lookup table (kept when it is the tied head)."""
+    return shape.params() - (0 if shape.tied else shape.vocab * shape.hidden)
+
+
+def model_flops_per_token(shape: ModelShape, seq_len: int) -> int:
+    """``6 * N + 12 * L * H * Q * S`` for one token of a sequence of ``seq_len`` (exact integer)."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len={seq_len}: must be >= 1")
+    return 6 * non_embedding_params(shape) + 12 * shape.layers * shape.heads * shape.dim_head * seq_len
+
+
+def model_flops_per_step(shape: ModelShape, seq_len: int, tokens_per_step: int) -> int:
+    """Model FLOPs of one optimizer step of ``tokens_per_step`` tokens in sequences of ``seq_len``."""
+    return model_flops_per_token(shape, seq_len) * tokens_per_step
