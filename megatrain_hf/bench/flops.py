@@ -1,4 +1,4 @@
-"""Model FLOPs of one training token, by PaLM's convention: the one place the bench computes them.
+"""Model FLOPs of one training token for a model shape, by the project's convention (``stats.py``).
 
 Convention (Chowdhery et al. 2022, "PaLM", Appendix B; the MFU estimate of nanoGPT)::
 
@@ -21,6 +21,7 @@ Convention (Chowdhery et al. 2022, "PaLM", Appendix B; the MFU estimate of nanoG
 from __future__ import annotations
 
 from ..memory import ModelShape
+from ..stats import model_flops_per_token as _per_token
 
 FLOPS_CONVENTION = (
     "TFLOPS = model FLOPs per token x tokens per optimizer step / mean step time / 1e12, PaLM's convention "
@@ -39,7 +40,8 @@ def model_flops_per_token(shape: ModelShape, seq_len: int) -> int:
     """``6 * N + 12 * L * H * Q * S`` for one token of a sequence of ``seq_len`` (exact integer)."""
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len}: must be >= 1")
-    return 6 * non_embedding_params(shape) + 12 * shape.layers * shape.heads * shape.dim_head * seq_len
+    n = non_embedding_params(shape)  # full fine-tuning: every one of them trains
+    return int(_per_token(n, n, shape.layers, shape.heads, shape.dim_head, seq_len))
 
 
 def model_flops_per_step(shape: ModelShape, seq_len: int, tokens_per_step: int) -> int:

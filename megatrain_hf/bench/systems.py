@@ -67,6 +67,7 @@ distributed environment.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -388,5 +389,9 @@ def extra_callbacks(system: str) -> list:
     from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
 
     # MEGATRAIN_CONFIG (JSON, as `megatrain launch` hands it over) sets options, e.g.
-    # MEGATRAIN_CONFIG='{"host_staging": false}' megatrain bench ...
-    return [MegaTrainPlugin(MegaTrainConfig.from_env())]
+    # MEGATRAIN_CONFIG='{"host_staging": false}' megatrain bench ...; the bench records every metric
+    # (observation only: no option of the training itself changes)
+    config = MegaTrainConfig.from_env()
+    if "metrics" not in json.loads(os.environ.get("MEGATRAIN_CONFIG") or "{}"):
+        config = dataclasses.replace(config, metrics="all")
+    return [MegaTrainPlugin(config)]

@@ -197,7 +197,7 @@ def _engine_peaks(model) -> tuple[int, int]:
     except ImportError:
         return 0, 0
     engine = engine_of(model)
-    return (engine.max_peak_allocated, engine.max_peak_reserved) if engine is not None else (0, 0)
+    return (engine.budget.max_peak_allocated, engine.budget.max_peak_reserved) if engine is not None else (0, 0)
 
 
 def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_peaks=(0, 0)) -> dict[str, Any]:

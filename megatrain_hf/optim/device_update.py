@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import queue
-import threading
 
 import torch
 

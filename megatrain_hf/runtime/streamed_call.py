@@ -33,7 +33,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ..core.grads import GradSink
-from ..core.layout import Entry, Kind
+from ..core.layout import Entry
 from ..core.offload import Checkpoint
 from ..core.streamer import Streamer
 from ..core.template import HookRecord, Mirror, Template
@@ -317,6 +317,3 @@ def _check_unfrozen(unit: Unit) -> None:
                 "before attach()), e.g. unfreeze everything you will train and freeze it again in a callback; "
                 "or detach (megatrain_hf.engine_of(model).detach()) and attach again."
             )
-
-
-__all__ = ["Call", "StreamedUnit", "Unit", "UnitRunner", "Kind"]

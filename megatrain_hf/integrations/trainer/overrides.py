@@ -52,7 +52,6 @@ def _install_optimizer(patcher: Patcher, plugin, trainer) -> None:
     def create_optimizer(model=None):
         supplied = trainer.optimizer is not None  # Trainer(optimizers=(opt, ...)) set it in __init__
         optimizer = original(model) if model is not None else original()
-        engine = plugin.engine
         if not plugin.config.replace_adamw or not convertible(optimizer):
             return optimizer
         if supplied and trainer.lr_scheduler is not None:
