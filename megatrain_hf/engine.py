@@ -35,8 +35,8 @@ from .core.store import HostStore
 from .core.streamer import Streamer
 from .core.streams import streams_for
 from .core.template import TemplateCache
-from .hf.checks import check_coverage, check_fp32
-from .hf.families import family_of, unwrap
+from .hf.checks import check_coverage, check_fp32, prepare_graph_call
+from .hf.families import INPUT_KWARGS, family_of, unwrap
 from .hf.install import install_model
 from .memory.budget import GpuBudget
 from .memory import host as host_memory
@@ -85,7 +85,8 @@ class Engine:
             units.append(Unit(u, name, module, template, template.mirror_of(module),
                               self.store.entries_of(u, Kind.TRAINABLE), self.store.entries_of(u, Kind.FROZEN)))
         self.num_templates = len(templates)
-        self.runner = UnitRunner(units, self.streamer, self.grads, self.stats, self.budget, device, dtype)
+        self.runner = UnitRunner(units, self.streamer, self.grads, self.stats, self.budget, device, dtype,
+                                 INPUT_KWARGS, prepare_graph_call)
         if config.offload_checkpoints is True:
             self._start_offload()
         self._set_flops_model(model, located)

@@ -39,6 +39,8 @@ FAMILY_CONFIGS = {
         {"head_dim": 16, "sliding_window": 8, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
     ),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
+    # learned absolute positions (a second embedding unit), Conv1D projections, tied head, dropout 0.1
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"bos_token_id": 0, "eos_token_id": 0, "n_inner": 128}),
 }
 
 

@@ -133,3 +133,9 @@ def dropout_modules(model: nn.Module) -> list[str]:
             if isinstance(value, float) and value > 0:
                 found.append(f"{name}.{attr}")
     return found
+
+
+def prepare_graph_call(unit_name: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A training call of a unit (one with a graph): side inputs checked, KV caches dropped."""
+    check_side_inputs(unit_name, args, kwargs)
+    return without_cache(unit_name, module, args, kwargs)

@@ -26,7 +26,7 @@ import logging
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -37,8 +37,6 @@ from ..core.layout import Entry
 from ..core.offload import Checkpoint
 from ..core.streamer import Streamer
 from ..core.template import HookRecord, Mirror, Template
-from ..hf.checks import check_side_inputs, without_cache
-from ..hf.families import INPUT_KWARGS
 
 logger = logging.getLogger(__name__)
 
@@ -110,11 +108,20 @@ class StreamedUnit(torch.autograd.Function):
 
 
 class UnitRunner:
-    """Runs streamed calls of an engine's units (see module docstring)."""
+    """Runs streamed calls of an engine's units (see module docstring).
+
+    What a unit's call looks like is the model family's business, handed in: ``input_kwargs``, the
+    keyword names under which a unit may receive its main input, and ``prepare_graph_call(unit name,
+    module, args, kwargs) -> (args, kwargs)``, which checks and adapts a training call's other
+    arguments (e.g. drops a KV cache).
+    """
 
     def __init__(self, units: list[Unit], streamer: Streamer, grads: GradSink, stats, budget,
-                 device: torch.device, compute_dtype: torch.dtype) -> None:
+                 device: torch.device, compute_dtype: torch.dtype, input_kwargs: tuple[str, ...],
+                 prepare_graph_call: Callable[[str, nn.Module, tuple, dict], tuple[tuple, dict]]) -> None:
         self.units = units
+        self.input_kwargs = input_kwargs
+        self.prepare_graph_call = prepare_graph_call
         self.streamer = streamer
         self.grads = grads
         self.stats = stats
@@ -133,7 +140,7 @@ class UnitRunner:
         if args:
             x, rest, key = args[0], args[1:], None
         else:
-            key = next((k for k in INPUT_KWARGS if k in kwargs), None)
+            key = next((k for k in self.input_kwargs if k in kwargs), None)
             if key is None:
                 raise TypeError(f"streamed unit {unit.name} got no input tensor (kwargs: {sorted(kwargs)})")
             kwargs = dict(kwargs)
@@ -158,8 +165,7 @@ class UnitRunner:
             out = self.compute(call, x, self.streamer.fetch(u), hooks=False)
             self.streamer.prefetch(u + 1)
             return out
-        check_side_inputs(unit.name, rest, kwargs)
-        call.args, call.kwargs = without_cache(unit.name, unit.module, rest, kwargs)
+        call.args, call.kwargs = self.prepare_graph_call(unit.name, unit.module, rest, kwargs)
         dev_type = self.device.type
         call.autocast = (
             torch.is_autocast_enabled(dev_type),
