@@ -50,7 +50,7 @@ def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Mo
     if family in ("gemma2", "gemma3_text"):
         kwargs.setdefault("num_hidden_layers", 2)
     config = getattr(transformers, config_name)(**kwargs)
-    config._attn_implementation = "sdpa" if family not in ("gemma2",) else "eager"
+    config._attn_implementation = overrides.get("attn_implementation") or ("eager" if family == "gemma2" else "sdpa")
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config)
     return model.float()

@@ -66,6 +66,17 @@ class UnitBuffers:
     staged_versions: tuple[int, ...] = ()
 
 
+def unfrozen_error(unit_name: str, entry_name: str) -> ValueError:
+    """A parameter frozen when the store laid it out (no master, gradient or state) is trainable now."""
+    return ValueError(
+        f"megatrain: {unit_name}.{entry_name} was frozen (requires_grad=False) when megatrain attached and is "
+        "trainable now; the host store holds frozen weights without an fp32 master, gradient or optimizer "
+        "state, so it cannot train. Fix: set requires_grad before building the Trainer (or before attach()), "
+        "e.g. unfreeze everything you will train and freeze it again in a callback; or detach "
+        "(megatrain_hf.engine_of(model).detach()) and attach again."
+    )
+
+
 class HostStore:
     """Allocates the per-unit flats and re-points the model's tensors into them.
 

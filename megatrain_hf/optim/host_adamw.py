@@ -25,7 +25,7 @@ import torch
 
 from ..core.layout import Entry, Kind
 from ..core.readiness import zero_grad_after
-from ..core.store import HostStore
+from ..core.store import HostStore, unfrozen_error
 from ..core.workers import start_worker
 from .kernels import GroupWork, UnitJob, native_update, torch_update
 
@@ -109,6 +109,8 @@ class HostAdamW(torch.optim.Optimizer):
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 home = self.store.home_of(p)
+                if home is not None and home[1].kind is Kind.FROZEN:
+                    raise unfrozen_error(self.store.names[home[0]], home[1].name)
                 if home is None or home[1].kind is not Kind.TRAINABLE:
                     raise ValueError(
                         f"HostAdamW got a parameter (shape {tuple(p.shape)}) that the megatrain host store "

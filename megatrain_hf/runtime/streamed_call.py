@@ -35,6 +35,7 @@ from torch.autograd.function import once_differentiable
 from ..core.grads import GradSink
 from ..core.layout import Entry
 from ..core.offload import Checkpoint
+from ..core.store import unfrozen_error
 from ..core.streamer import Streamer
 from ..core.template import HookRecord, Mirror, Template
 
@@ -316,10 +317,4 @@ class UnitRunner:
 def _check_unfrozen(unit: Unit) -> None:
     for e in unit.frozen:
         if e.tensor.requires_grad:
-            raise ValueError(
-                f"megatrain: {unit.name}.{e.name} was frozen (requires_grad=False) when megatrain attached and "
-                "is trainable now; the host store holds frozen weights without an fp32 master, gradient or "
-                "optimizer state, so it cannot train. Fix: set requires_grad before building the Trainer (or "
-                "before attach()), e.g. unfreeze everything you will train and freeze it again in a callback; "
-                "or detach (megatrain_hf.engine_of(model).detach()) and attach again."
-            )
+            raise unfrozen_error(unit.name, e.name)
