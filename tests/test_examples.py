@@ -1,4 +1,4 @@
-"""The user-facing examples and notebooks run: every examples/*.py with --smoke, every notebooks/*.ipynb.
+"""The user-facing examples and notebooks run: every examples/*.py with --smoke, every examples/notebooks/*.ipynb.
 
 Each example runs in a subprocess from a temporary working directory (PYTHONPATH = the repository
 root, as for an uninstalled clone) and must exit 0 and print its summary line. Notebooks are
@@ -20,7 +20,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-NOTEBOOKS = ROOT / "notebooks"
+NOTEBOOKS = EXAMPLES / "notebooks"
 
 # script -> (extra arguments, a line its stdout must contain)
 SMOKE_RUNS = {
@@ -99,6 +99,7 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     for key, value in _env().items():  # the kernel inherits this process's environment
         monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the kernel's tempfile folders land here, not in the system's
     workdir = tmp_path / "notebooks"  # what the notebook writes (Trainer output dirs) lands here
     workdir.mkdir()
     shutil.copy(NOTEBOOKS / name, workdir / name)
@@ -112,4 +113,6 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
         pytest.fail(f"{name}: a cell raised:\n{str(err)[-4000:]}")
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, f"{name}: error outputs: {errors}"
+    left = sorted(p.name for p in tmp_path.glob("megatrain_nb_*"))
+    assert not left, f"{name}: left temporary folders behind: {left}"
     print(f"{name}: {time.time() - started:.1f} s")
