@@ -1,12 +1,13 @@
 """`make demo`: train a tiny Llama on the Python standard library's own source, through megatrain.
 
-Everything is local. The corpus is the stdlib of the Python running this script (its top-level
-`*.py` files in sorted order, docstrings and comments removed with `ast`, so that the text is
-code, and files that are mostly string tables left out); every 20th file is held out for evaluation. A byte-level BPE tokenizer (2,048 tokens) is
-trained on the training files in a second or two and the model is a small Llama built from a
-config (random init). Training runs through the stock `Trainer` with one extra argument,
-`callbacks=[MegaTrainPlugin()]`: the fp32 masters and the AdamW state stay in host RAM, layers
-stream to the GPU when there is one (bf16 compute), else everything runs on the CPU.
+Everything is local. The corpus is the stdlib of the Python running this script: its top-level
+`*.py` files in sorted order, docstrings and comments removed with `ast` so that the text is code,
+files that are mostly string tables left out, every 20th file held out for evaluation. A
+byte-level BPE tokenizer (2,048 tokens) is trained on the training files in a second or two and
+the model is a small Llama built from a config (random init). Training runs through the stock
+`Trainer` with one extra argument, `callbacks=[MegaTrainPlugin()]`: the fp32 masters and the
+AdamW state stay in host RAM, layers stream to the GPU when there is one (bf16 compute), else
+everything runs on the CPU.
 
 The script prints the training and held-out loss as it goes, a code sample generated from the
 same prompt before and after training, and a summary; it writes `loss.png` (train and eval
@@ -40,8 +41,6 @@ from megatrain_hf import MegaTrainPlugin  # noqa: E402
 PROMPT = "import os\n\ndef"
 HELD_OUT_EVERY = 20  # file i of the sorted list is held out for evaluation when i % 20 == 19
 EVAL_BLOCKS = 128  # held-out blocks scored at each evaluation
-
-
 MAX_STRING_SHARE = 0.3  # files whose code is more than 30 % string literals are tables (locale, opcode), left out
 
 
@@ -122,7 +121,8 @@ class Progress(TrainerCallback):
         if "loss" in logs:
             speed = logs.get("megatrain/tokens_per_s")
             speed = f" | {speed:7,.0f} tokens/s" if speed is not None else ""
-            print(f"{where} | train loss {logs['loss']:6.3f}{speed} | {time.time() - self.train_started:5.0f} s", flush=True)
+            elapsed = time.time() - self.train_started
+            print(f"{where} | train loss {logs['loss']:6.3f}{speed} | {elapsed:5.0f} s", flush=True)
         if "eval_loss" in logs:
             loss = logs["eval_loss"]
             print(f"{where} | eval  loss {loss:6.3f} | perplexity {math.exp(loss):8.1f}", flush=True)
