@@ -61,8 +61,13 @@ def use_cuda() -> bool:
 
 
 def stdlib_files(max_files: int | None = None) -> list[str]:
-    """The standard library's top-level `*.py` files, sorted by name (the same list on every run)."""
+    """The standard library's top-level `*.py` files, sorted by name (the same list on every run).
+
+    `_sysconfigdata_*.py` is left out: it is generated when Python is built (this machine's paths
+    and compiler flags), not source.
+    """
     files = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+    files = [f for f in files if not os.path.basename(f).startswith("_sysconfigdata")]
     if not files:
         raise RuntimeError("no *.py files under the stdlib directory; this example needs the Python sources")
     return files[:max_files] if max_files else files

@@ -1,7 +1,8 @@
-"""The user-facing examples and notebooks run: every examples/*.py with --smoke, every notebooks/*.ipynb.
+"""The user-facing examples and notebooks run: every examples/*.py with --smoke, every examples/notebooks/*.ipynb.
 
 Each example runs in a subprocess from a temporary working directory (PYTHONPATH = the repository
-root, as for an uninstalled clone) and must exit 0 and print its summary line. Notebooks are
+root, as for an uninstalled clone) and must exit 0 and print its summary line; the demo's must also
+write its chart and summary.json, with the training and held-out loss falling. Notebooks are
 executed top to bottom with nbclient (skipped, with the reason, where nbclient/nbformat/ipykernel
 are not installed: they are in the `test` extra) and must raise in no cell. CPU only, seconds each.
 """
@@ -9,6 +10,8 @@ are not installed: they are in the `test` extra) and must raise in no cell. CPU 
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
 import shutil
 import subprocess
@@ -20,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-NOTEBOOKS = ROOT / "notebooks"
+NOTEBOOKS = EXAMPLES / "notebooks"
 
 # script -> (extra arguments, a line its stdout must contain)
 SMOKE_RUNS = {
@@ -29,7 +32,8 @@ SMOKE_RUNS = {
     "accelerate_loop.py": ([], "accelerate_loop: done:"),
     "accelerate_loop.py --host_adamw": (["--host_adamw"], "with HostAdamW"),
     "trl_sft.py": ([], "trl_sft: done:"),
-    "demo.py": (["--max_steps", "4", "--logging_steps", "2"], "done in"),
+    # no time limit: the demo's smoke run must finish its 40 steps on a slow CI machine too
+    "demo.py": (["--time_limit", "0"], "demo: done in"),
 }
 NOT_EXAMPLES = {"common.py"}  # shared helpers imported by the examples, not a script
 
@@ -61,7 +65,50 @@ def test_example_smoke(name, tmp_path):
     elapsed = time.time() - started
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     assert expected in proc.stdout, f"{name}: {expected!r} not in its output:\n{proc.stdout[-3000:]}"
+    if script in OUTPUT_CHECKS:
+        OUTPUT_CHECKS[script](tmp_path / "out", proc.stdout)
     print(f"{name}: {elapsed:.1f} s")
+
+
+def _demo_summary(out: Path) -> dict:
+    chart = out / "loss.png"
+    assert chart.is_file(), f"the demo wrote no chart at {chart}"
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{chart} is not a PNG"
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    assert summary["chart"] == str(chart)
+    return summary
+
+
+def _check_demo(out: Path, stdout: str) -> None:
+    """The smoke run learns: eval loss and the train loss (first vs last 5 logs) fall by > 1 nat."""
+    summary = _demo_summary(out)
+    assert summary["steps"] == summary["max_steps"] == 40 and not summary["stopped_by_time_limit"], summary
+    train = [loss for _, loss in summary["train_loss"]]
+    evals = [loss for _, loss in summary["eval_loss"]]
+    assert len(train) >= 10 and len(evals) >= 3, summary
+    assert summary["eval_loss"][0][0] == 0 and summary["eval_loss"][-1][0] == 40, summary["eval_loss"]
+    # measured on a 2-core CPU: eval 6.25 -> 4.50, train (mean of 5 logs) 6.08 -> 4.17
+    assert evals[-1] < evals[0] - 1.0, f"eval loss did not fall: {evals}"
+    assert sum(train[-5:]) / 5 < sum(train[:5]) / 5 - 1.0, f"train loss did not fall: {train}"
+    assert math.isclose(summary["eval_perplexity_last"], math.exp(evals[-1]))
+    assert summary["sample_after"].startswith(summary["prompt"]) and summary["sample_after"] != summary["sample_before"]
+    for line in ("train loss:", "eval loss:", "perplexity", "sample after training", "chart:"):
+        assert line in stdout, f"demo summary lacks {line!r}:\n{stdout[-3000:]}"
+
+
+OUTPUT_CHECKS = {"demo.py": _check_demo}  # script -> check(output_dir, stdout), after its smoke run
+
+
+def test_demo_time_limit_stops_training_with_a_final_evaluation(tmp_path):
+    out = tmp_path / "out"
+    # a 1 s limit has passed by the first step: training stops there, evaluates, and the demo still reports
+    cmd = [sys.executable, str(EXAMPLES / "demo.py"), "--smoke", "--output_dir", str(out), "--time_limit", "1"]
+    proc = subprocess.run(cmd, check=False, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"demo exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    summary = _demo_summary(out)
+    assert summary["stopped_by_time_limit"] and summary["steps"] == 1, summary
+    assert [step for step, _ in summary["eval_loss"]] == [0, 1], summary["eval_loss"]
+    assert "stopped by --time_limit 1" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_token_accuracy_metric_loads_from_the_local_file():
@@ -99,6 +146,7 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     for key, value in _env().items():  # the kernel inherits this process's environment
         monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the kernel's tempfile folders land here, not in the system's
     workdir = tmp_path / "notebooks"  # what the notebook writes (Trainer output dirs) lands here
     workdir.mkdir()
     shutil.copy(NOTEBOOKS / name, workdir / name)
@@ -112,4 +160,6 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
         pytest.fail(f"{name}: a cell raised:\n{str(err)[-4000:]}")
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, f"{name}: error outputs: {errors}"
+    left = sorted(p.name for p in tmp_path.glob("megatrain_nb_*"))
+    assert not left, f"{name}: left temporary folders behind: {left}"
     print(f"{name}: {time.time() - started:.1f} s")
