@@ -24,16 +24,21 @@ from megatrain_hf import MegaTrainPlugin, engine_of
 ATOL = 1e-6
 
 
-def _lora(model):
+_LORA_TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_proj"]}
+
+
+def _lora(model, family: str = "llama"):
     peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj", "down_proj"])
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=_LORA_TARGETS[family],
+                             fan_in_fan_out=family == "gpt2")  # GPT-2's Conv1D stores its weight transposed
     return peft.get_peft_model(model, config)
 
 
-def test_lora_parity(tmp_path):
-    ref = _lora(tiny_model("llama"))
+@pytest.mark.parametrize("family", sorted(_LORA_TARGETS))
+def test_lora_parity(tmp_path, family):
+    ref = _lora(tiny_model(family), family)
     _, ref_losses = train(ref, training_args(tmp_path / "ref"))
-    model = _lora(tiny_model("llama"))
+    model = _lora(tiny_model(family), family)
     trainer, losses = train(model, training_args(tmp_path / "mt"), callbacks=[MegaTrainPlugin()])
     assert_close_losses(ref_losses, losses, ATOL)
     assert_close_params(state_of(ref), state_of(model), ATOL)
