@@ -47,6 +47,9 @@ FAMILY_CONFIGS = {
 def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
     config_name, model_name, extra = FAMILY_CONFIGS[family]
     kwargs = {**_COMMON, **extra, **overrides}
+    if family == "gpt2":  # GPT-2 names its dropout probabilities its own way
+        p = kwargs.pop("attention_dropout")
+        kwargs.update(attn_pdrop=p, resid_pdrop=p, embd_pdrop=p)
     if family in ("gemma2", "gemma3_text"):
         kwargs.setdefault("num_hidden_layers", 2)
     config = getattr(transformers, config_name)(**kwargs)

@@ -11,7 +11,7 @@ import torch
 
 from helpers import RandomTokens, tiny_model, training_args
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,6 +244,28 @@ def test_sequence_longer_than_max_position_embeddings_refused():
     with pytest.raises(ValueError, match="max_position_embeddings"):  # and the next plain call is checked again
         model(input_ids=ids, labels=ids)
     engine.detach()
+
+
+@pytest.mark.parametrize("kind", ["torch", "datasets"])
+def test_a_too_long_example_is_refused_before_training_starts(tmp_path, kind):
+    """A sized dataset's longest example is checked when train() starts, not at the step that meets it."""
+    limit = tiny_model("llama").config.max_position_embeddings
+    data = RandomTokens(n=12)
+    rows = [data[i]["input_ids"].tolist() for i in range(len(data))]
+    rows[9] = rows[9] * 5  # 80 tokens > 64
+    if kind == "datasets":
+        datasets = pytest.importorskip("datasets")
+        dataset = datasets.Dataset.from_dict({"input_ids": rows, "labels": rows})
+    else:
+        dataset = [{"input_ids": torch.tensor(r), "labels": torch.tensor(r)} for r in rows]
+    trainer = Trainer(model=tiny_model("llama"), args=training_args(tmp_path, per_device_train_batch_size=1),
+                      train_dataset=dataset, callbacks=[MegaTrainPlugin()])
+    steps = []
+    trainer.add_callback(type("Steps", (TrainerCallback,), {"on_step_end": lambda self, *a, **k: steps.append(1)})())
+    with pytest.raises(ValueError, match=rf"example 9 of train_dataset .* has 80 tokens, more than the model's "
+                                         rf"max_position_embeddings={limit}"):
+        trainer.train()
+    assert not steps
 
 
 def test_rope_scaled_models_may_train_past_max_position_embeddings():

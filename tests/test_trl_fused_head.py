@@ -106,3 +106,17 @@ def test_wrapped_head_is_refused_with_the_fix():
     engine = attach(model, MegaTrainConfig(), device="cpu")
     with pytest.raises(ValueError, match="modules_to_save"):
         adopt_fused_lm_head(engine, model.get_base_model())
+
+
+def test_trl_outside_the_tested_range_is_refused(monkeypatch):
+    import trl
+
+    from megatrain_hf.integrations import trl as megatrain_trl
+
+    monkeypatch.setattr(trl, "__version__", "1.20.0")
+    with pytest.raises(RuntimeError, match=r"trl 1.20.0 is outside the range .*>= 1.15, < 1.17.*pip install"):
+        megatrain_trl.check_trl_version()
+    monkeypatch.setattr(trl, "__version__", "1.15.0")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "triton" else object())
+    with pytest.raises(RuntimeError, match=r"trl 1.15.0's fused LM head always runs its Triton kernel"):
+        megatrain_trl.check_trl_version()

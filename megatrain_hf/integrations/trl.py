@@ -127,12 +127,39 @@ def _trl_fused_forward(model: torch.nn.Module):
     return None
 
 
+SUPPORTED_TRL = ((1, 15), (1, 17))
+"""The trl versions whose fused LM head this module knows: >= 1.15, < 1.17 (pyproject.toml declares the same)."""
+
+
+def check_trl_version() -> None:
+    """Refuse a trl outside the tested range, and trl 1.15 without Triton (its fused head calls its Triton
+    kernel unconditionally, so it fails on a machine without Triton, with or without megatrain)."""
+    import importlib.util
+
+    import trl
+
+    parts = tuple(int(p) for p in trl.__version__.split(".")[:2] if p.isdigit())
+    low, high = SUPPORTED_TRL
+    if not low <= parts < high:
+        raise RuntimeError(
+            f"megatrain: trl {trl.__version__} is outside the range whose fused LM head this megatrain version "
+            f"knows (>= {'.'.join(map(str, low))}, < {'.'.join(map(str, high))}). Fix: pip install 'trl>=1.15,<1.17', "
+            "or open an issue with your trl version."
+        )
+    if parts < (1, 16) and importlib.util.find_spec("triton") is None:
+        raise RuntimeError(
+            f"megatrain: trl {trl.__version__}'s fused LM head always runs its Triton kernel, and Triton is not "
+            "installed here. Fix: pip install triton, or use trl 1.16 (which falls back to torch)."
+        )
+
+
 def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
     """If TRL patched ``model`` with its fused LM head, serve it through ``engine``; returns whether it did."""
     found = _trl_fused_forward(model)
     if found is None:
         return False
     func, module = found
+    check_trl_version()
     closure = dict(zip(func.__code__.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
     differ = sorted(set(closure) ^ _CLOSURE) + [n for n in _MODULE_NAMES if not hasattr(module, n)]
     if differ:

@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 import torch
 
+from .streamed_call import autocast_state
+
 _local = threading.local()
 
 
@@ -102,15 +104,7 @@ class _ThreadState:
 
     @classmethod
     def capture(cls, device_type: str) -> "_ThreadState":
-        return cls(
-            torch.is_grad_enabled(),
-            (
-                torch.is_autocast_enabled(device_type),
-                torch.get_autocast_dtype(device_type),
-                torch.is_autocast_cache_enabled(),
-            ),
-            _saved_tensor_hooks(),
-        )
+        return cls(torch.is_grad_enabled(), autocast_state(device_type), _saved_tensor_hooks())
 
     def enter(self, device_type: str):
         stack = contextlib.ExitStack()

@@ -68,6 +68,13 @@ class Call:
     hooks: HookRecord = field(default_factory=HookRecord)
 
 
+def autocast_state(device_type: str) -> tuple[bool, torch.dtype, bool]:
+    """(enabled, dtype, cache_enabled) of autocast on ``device_type`` in this thread: what a deferred
+    computation (a recompute, a coroutine's call run by the driver) must run under again."""
+    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
+            torch.is_autocast_cache_enabled())
+
+
 class StreamedUnit(torch.autograd.Function):
     """One unit call: output and a zero scalar *token* (layer-major ordering, see ``layer_major.py``)."""
 
@@ -168,11 +175,7 @@ class UnitRunner:
             return out
         call.args, call.kwargs = self.prepare_graph_call(unit.name, unit.module, rest, kwargs)
         dev_type = self.device.type
-        call.autocast = (
-            torch.is_autocast_enabled(dev_type),
-            torch.get_autocast_dtype(dev_type),
-            torch.is_autocast_cache_enabled(),
-        )
+        call.autocast = autocast_state(dev_type)
         if training:  # dropout may draw random numbers: replay them in backward
             call.cpu_rng = torch.get_rng_state()
             if dev_type == "cuda":

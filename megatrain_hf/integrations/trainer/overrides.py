@@ -104,9 +104,60 @@ def _install_entry_points(patcher: Patcher, plugin, trainer) -> None:
                 "max_length dropped, a wrong split name)."
             )
 
-    wrapped("train", check_dataset)
+    def check_before_training():
+        check_dataset()
+        _check_example_lengths(trainer, plugin.engine)
+
+    wrapped("train", check_before_training)
     wrapped("evaluate")
     wrapped("predict")
+
+
+_SCAN_LIMIT = 200_000  # map-style datasets scanned item by item up to this many examples
+
+
+def _check_example_lengths(trainer, engine) -> None:
+    """Refuse, before training starts, a tokenized example longer than the model's positions (naming
+    it), where the dataset can be read without cost: an HF ``datasets.Dataset`` (its Arrow column) or
+    a sized dataset of at most ``_SCAN_LIMIT`` examples. The per-forward check covers the rest."""
+    from transformers.trainer_utils import has_length
+
+    from ...hf.checks import position_limit, sequence_too_long
+    from ...hf.families import unwrap
+
+    dataset = trainer.train_dataset
+    config = getattr(unwrap(engine.model), "config", None)
+    text = getattr(config, "get_text_config", lambda: config)()
+    limit = position_limit(text)
+    if dataset is None or limit is None or not has_length(dataset):
+        return
+    lengths = _arrow_lengths(dataset)
+    if lengths is None and len(dataset) <= _SCAN_LIMIT:
+        lengths = []
+        for i in range(len(dataset)):
+            ids = dataset[i].get("input_ids") if isinstance(dataset[i], dict) else None
+            if ids is None:
+                return
+            lengths.append(ids.shape[-1] if isinstance(ids, torch.Tensor) else len(ids))
+    if not lengths:
+        return
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] > limit:
+        raise sequence_too_long(lengths[longest], limit, getattr(text, "model_type", "?"),
+                                where=f"example {longest} of train_dataset ({type(dataset).__name__})")
+
+
+def _arrow_lengths(dataset) -> list[int] | None:
+    """Token counts of an HF ``datasets.Dataset``'s ``input_ids`` column, from Arrow (None otherwise)."""
+    try:
+        import datasets
+        import pyarrow.compute as pc
+    except ImportError:
+        return None
+    if not isinstance(dataset, datasets.Dataset) or "input_ids" not in dataset.column_names:
+        return None
+    column = dataset.select_columns(["input_ids"]).with_format("arrow")[:]["input_ids"]
+    return pc.list_value_length(column).to_pylist()
 
 
 def _install_accelerator(patcher: Patcher, plugin, trainer) -> None:

@@ -182,12 +182,6 @@ class MegaTrainPlugin(TrainerCallback):
         engine = self.engine
         if engine is not None:
             self.metrics.start(engine)
-            logger.info(
-                "megatrain: %d units (%d templates), %.1fM trainable params, %.2f GiB host buffers, "
-                "pinned=%s, compute %s on %s", len(engine.units), engine.num_templates,
-                engine.store.trainable_numel() / 1e6, engine.store.host_bytes() / 2**30, engine.store.pin,
-                str(engine.compute_dtype).replace("torch.", ""), engine.device,
-            )
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         trainer = self._trainer() if self._trainer is not None else None
