@@ -261,3 +261,18 @@ def test_trainer_output_is_free_of_megatrain_plumbing(tmp_path, caplog, recwarn)
               callbacks=[MegaTrainPlugin()])
     text = caplog.text + " ".join(str(w.message) for w in recwarn)
     assert "multiple devices" not in text and "offloaded modules" not in text
+
+
+class _Timer(TrainerCallback):
+    """Times the step: reads no parameter or gradient, and says so."""
+
+    megatrain_observes_weights = False
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        pass
+
+
+def test_a_callback_that_reads_no_weights_keeps_the_update_in_the_background(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="megatrain_hf"):
+        train(tiny_model("llama"), training_args(tmp_path), callbacks=[MegaTrainPlugin(), _Timer()])
+    assert "observe" not in caplog.text

@@ -38,6 +38,8 @@ PHASES = ("between", "fwd_bwd", "optimizer", "post")
 class StepTimer(TrainerCallback):
     """Per-optimizer-step wall times, phase split, logged losses and engine counter increments."""
 
+    megatrain_observes_weights = False  # times and traces the step: reads no parameter or gradient
+
     def __init__(self, cuda_sync: bool) -> None:
         self.cuda_sync = cuda_sync
         self.steps: list[dict[str, Any]] = []
@@ -126,6 +128,8 @@ class StepProfiler(TrainerCallback):
     megatrain's ``megatrain.*`` ranges (unit updates on the host and device workers);
     ``scripts/trace_summary.py`` condenses it.
     """
+
+    megatrain_observes_weights = False  # times and traces the step: reads no parameter or gradient
 
     def __init__(self, step: int, path: str) -> None:
         self.step, self.path = step, path
@@ -240,6 +244,8 @@ class ResourceSampler:
 
 class PhaseMarks(TrainerCallback):
     """Marks the sampler at the start of training (optimizer built), after step 1, and at the end."""
+
+    megatrain_observes_weights = False  # times and traces the step: reads no parameter or gradient
 
     def __init__(self, sampler: ResourceSampler) -> None:
         self.sampler = sampler

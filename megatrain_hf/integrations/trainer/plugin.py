@@ -39,6 +39,11 @@ from .install import install
 logger = logging.getLogger(__name__)
 
 
+NOT_OBSERVING = frozenset({"trl.trainer.callbacks.RichProgressCallback"})
+"""Callbacks of other libraries whose step events read no parameter or gradient (read in their source).
+A forward through the model needs no entry: every unit's fetch waits for that unit's update."""
+
+
 class MegaTrainPlugin(TrainerCallback):
     """Train the Trainer's model with megatrain.
 
@@ -147,11 +152,15 @@ class MegaTrainPlugin(TrainerCallback):
             logger.log(level, message)
 
     def observers(self, trainer, *events: str) -> list[str]:
-        """Callbacks other than Trainer's own (and this one) that override one of ``events``."""
+        """Callbacks that could read parameters or gradients at one of ``events``: those overriding it,
+        except Trainer's own, this plugin, those known to read neither (``NOT_OBSERVING``), and those
+        whose class says so with ``megatrain_observes_weights = False`` (a timer, a progress bar)."""
         found = []
         for cb in trainer.callback_handler.callbacks:
             cls = type(cb)
-            if cb is self or cls.__module__.startswith("transformers."):
+            if (cb is self or cls.__module__.startswith("transformers.")
+                    or f"{cls.__module__}.{cls.__qualname__}" in NOT_OBSERVING
+                    or getattr(cls, "megatrain_observes_weights", True) is False):
                 continue
             if any(getattr(cls, event, None) is not getattr(TrainerCallback, event) for event in events):
                 found.append(cls.__name__)
