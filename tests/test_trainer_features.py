@@ -138,7 +138,9 @@ def test_engine_metrics_reach_the_reporters_at_their_level(tmp_path, level):
     if level == "basic":
         return
     assert logs[-1]["megatrain/tokens"] == 2 * 2 * 16  # 2 micro-batches x 2 sequences x 16 tokens
-    assert 0 < logs[-1]["megatrain/update_frac"] and logs[-1]["megatrain/update_Gparams_per_s"] > 0
+    # a log reads the updates that finished since the previous one (the last step's may still run)
+    rates = [h["megatrain/update_Gparams_per_s"] for h in logs if "megatrain/update_frac" in h]
+    assert rates and all(r > 0 for r in rates)
     optimizer = trainer.optimizer.optimizer  # one more update by hand: the counters cover every updated element
     optimizer.take_update_stats()
     for p in model.parameters():
