@@ -52,7 +52,7 @@ class Engine:
     """Handle of an attached model. Build with :func:`attach`."""
 
     def __init__(self, model: nn.Module, config: MegaTrainConfig, device: torch.device, dtype: torch.dtype,
-                 streams=None) -> None:
+                 streams=None, frozen_in_wire_dtype: bool = True) -> None:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {device} was asked for but CUDA is not available; use device='cpu'.")
         self.model, self.config, self.device, self.compute_dtype = model, config, device, dtype
@@ -63,12 +63,14 @@ class Engine:
         named = list(zip(located.names, located.modules))
         staging = config.host_staging is not False
         if config.check_host_memory:
-            staging = host_memory.admit(named, located.embedding_units, dtype, config.host_staging, config.replace_adamw)
+            staging = host_memory.admit(named, located.embedding_units, dtype, config.host_staging, config.replace_adamw,
+                                        frozen_in_wire_dtype)
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
         self.store = HostStore(named, compute_dtype=dtype, pin=config.resolve_pin(device),
-                               embedding_units=located.embedding_units, staging=staging)
+                               embedding_units=located.embedding_units, staging=staging,
+                               frozen_in_wire_dtype=frozen_in_wire_dtype)
         self.streams = streams if streams is not None else streams_for(device)
         self.streamer = Streamer(self.store, device, self.stats, self.streams)
         sink = GradSink
@@ -158,7 +160,9 @@ class Engine:
         if self.config.chunked_loss is False:
             return
         reason = None
-        if not self.family.chunked_loss:  # its logits may be scaled in ways chunked_loss.py does not know
+        if base.get_output_embeddings() is not self.units[-1].module:  # a sequence classifier's score head
+            reason = "the model has no LM head"
+        elif not self.family.chunked_loss:  # its logits may be scaled in ways chunked_loss.py does not know
             reason = f"model type {self.family.model_type!r} is not known to compute its logits as lm_head(hidden)"
         elif type(self.units[-1].module) is not nn.Linear:  # e.g. a LoRA-wrapped lm_head: keep HF's head and loss
             reason = f"the lm_head is a {type(self.units[-1].module).__name__}, not an nn.Linear"
@@ -312,20 +316,22 @@ def _unit_forward(engine_ref: weakref.ref, u: int, *args, **kwargs) -> torch.Ten
 
 
 def attach(model: nn.Module, config: MegaTrainConfig | None = None, *, device: torch.device | str | None = None,
-           bf16: bool = False, streams=None) -> Engine:
+           bf16: bool = False, streams=None, frozen_in_wire_dtype: bool = True) -> Engine:
     """Attach the engine to ``model`` (on the CPU, fp32 masters) and return its handle.
 
     ``device``/``bf16`` are what the Trainer would use (its ``args.device`` and ``args.bf16``);
     ``config`` overrides them. Attaching twice raises; ``handle.detach()`` undoes everything but
     the parameters' new home in host flats. ``streams``: for tests, ``core.streams.EmulatedStreams()``
-    runs the CUDA transfer pipelines on the CPU.
+    runs the CUDA transfer pipelines on the CPU. ``frozen_in_wire_dtype=False``: frozen weights stay
+    fp32 on the host (for weights edited in place; twice the bytes of bf16).
     """
     config = config or MegaTrainConfig()
     if engine_of(model) is not None:
         raise RuntimeError("megatrain is already attached to this model; call handle.detach() first.")
     check_fp32(model)
     dev = config.resolve_device(torch.device(device) if device is not None else None)
-    return Engine(model, config, dev, config.resolve_dtype(trainer_bf16=bf16), streams=streams)
+    return Engine(model, config, dev, config.resolve_dtype(trainer_bf16=bf16), streams=streams,
+                  frozen_in_wire_dtype=frozen_in_wire_dtype)
 
 
 def engine_of(model: nn.Module) -> Engine | None:

@@ -7,8 +7,11 @@ Each streamed unit (embedding, decoder layer, final norm, head) owns, laid out b
 * ``staging_host`` -- the compute-dtype copy of ``master_host[:n_staged]`` that crosses the link
   (absent for fp32 compute, or with ``staging=False``: the fp32 masters are sent and rounded on the
   device),
-* ``frozen_host``  -- one flat per wire dtype for frozen parameters (PEFT base weights): no master,
-  no gradient, no optimizer state.
+* ``frozen_host``  -- one flat per storage dtype for frozen parameters (PEFT base weights, a
+  reference model): no master, no gradient, no optimizer state. Stored in the wire dtype (2 B/param
+  for bf16 matrices), or in fp32 with ``frozen_in_wire_dtype=False`` (for weights that are edited in
+  place, e.g. a reference synchronised with the policy; rounded to the wire dtype on the device
+  instead).
 
 The registered ``nn.Parameter`` objects are kept (optimizers, PEFT, ``named_parameters`` keep
 working) but their data is re-pointed into these flats, each through a storage of its own
@@ -61,7 +64,7 @@ class UnitBuffers:
     grad_host: torch.Tensor | None = None
     staging_host: torch.Tensor | None = None  # compute-dtype copy of master_host[:n_staged]
     n_staged: int = 0
-    frozen_host: dict = field(default_factory=dict)  # wire dtype -> flat
+    frozen_host: dict = field(default_factory=dict)  # storage dtype -> flat
     staging_dirty: bool = True
     staged_versions: tuple[int, ...] = ()
 
@@ -91,8 +94,10 @@ class HostStore:
         pin: bool,
         embedding_units: frozenset[int] = frozenset(),
         staging: bool = True,
+        frozen_in_wire_dtype: bool = True,
     ) -> None:
         self.compute_dtype = compute_dtype
+        self.frozen_in_wire_dtype = frozen_in_wire_dtype
         self.staging = staging and compute_dtype != torch.float32
         self.pin = pin
         self.names = [name for name, _ in units]
@@ -108,6 +113,10 @@ class HostStore:
         self.gates = UnitGates(self.names)
 
     # ------------------------------------------------------------------ layout
+    def frozen_storage(self, wire: torch.dtype) -> torch.dtype:
+        """The dtype a frozen entry of wire dtype ``wire`` is stored in on the host."""
+        return wire if self.frozen_in_wire_dtype or not wire.is_floating_point else torch.float32
+
     def _plan(self, units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int]) -> list[UnitSizes]:
         all_sizes = []
         for u, (unit_name, module) in enumerate(units):
@@ -130,7 +139,8 @@ class HostStore:
                 entry = Entry(name, param, kind, u, wire, 0, param.shape)
                 self._param_home[id(param)] = (u, entry)
                 entries.append(entry)
-                fresh.append((entry, TensorSpec(param.numel(), kind is Kind.TRAINABLE, wire)))
+                stored = wire if kind is Kind.TRAINABLE else self.frozen_storage(wire)
+                fresh.append((entry, TensorSpec(param.numel(), kind is Kind.TRAINABLE, stored)))
             sizes = lay_out([spec for _, spec in fresh])
             for entry, spec in fresh:
                 entry.offset = spec.offset
@@ -182,7 +192,7 @@ class HostStore:
             for e in entries:
                 if e.owner != u or e.kind is Kind.BUFFER:
                     continue
-                flat = bufs.master_host if e.kind is Kind.TRAINABLE else bufs.frozen_host[e.wire]
+                flat = bufs.master_host if e.kind is Kind.TRAINABLE else bufs.frozen_host[self.frozen_storage(e.wire)]
                 with torch.no_grad():
                     flat[e.offset : e.offset + e.numel].copy_(e.tensor.detach().reshape(-1))
                 e.tensor.data = alias(flat, e.offset, e.shape)
@@ -263,8 +273,8 @@ class HostStore:
         """(host flat, element offset of its first element in the entries' numbering) for ``key``."""
         bufs = self.buffers[u]
         kind, wire = key
-        if kind is Kind.FROZEN:
-            return bufs.frozen_host[wire], 0
+        if kind is Kind.FROZEN:  # one frozen flat per unit and storage dtype (rounded to the wire dtype on fetch)
+            return bufs.frozen_host[self.frozen_storage(wire)], 0
         if wire != torch.float32:
             if bufs.staging_host is not None:
                 self.stage(u)

@@ -48,17 +48,22 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def decoder_units(embeddings: tuple[str, ...] = ("embed_tokens",), layers: str = "layers",
                   norm: str = "norm") -> Callable[[nn.Module], Units]:
-    """``locate`` for a decoder-only LM: ``get_decoder()``'s embedding tables, layers and final norm,
-    then ``get_output_embeddings()``."""
+    """``locate`` for a decoder-only model: ``get_decoder()``'s embedding tables, layers and final norm,
+    then the head -- ``get_output_embeddings()`` (a causal LM), or ``score`` (``*ForSequenceClassification``,
+    e.g. a reward model: the score projection of every position; HF's forward pools it)."""
 
     def locate(model: nn.Module) -> Units:
         base = unwrap(model)
         decoder = base.get_decoder()
         head = base.get_output_embeddings()
+        if head is None and type(base).__name__.endswith("ForSequenceClassification"):
+            head = getattr(base, "score", None)
         if head is None:
             raise ValueError(
-                f"{type(base).__name__} has no output embeddings (lm_head); megatrain trains causal LMs "
-                "(AutoModelForCausalLM). For other heads, train without the MegaTrainPlugin."
+                f"{type(base).__name__} has neither an LM head (get_output_embeddings()) nor a sequence "
+                "classification `score` head; megatrain trains causal LMs (AutoModelForCausalLM) and sequence "
+                "classifiers of the same families (AutoModelForSequenceClassification). For other heads, train "
+                "without the MegaTrainPlugin."
             )
         names_by_id = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         tables = [getattr(decoder, name) for name in embeddings]

@@ -56,11 +56,13 @@ def host_breakdown_for_units(
     staging: bool = True,
     embedding_units: frozenset[int] = frozenset({0}),
     optimizer_state: bool = True,
+    frozen_in_wire_dtype: bool = True,
 ) -> dict[str, int]:
     """Exact host bytes per tier for real modules, walked the way ``HostStore`` walks them.
 
     ``staging``: whether the store keeps a compute-dtype copy (it never does for fp32 compute);
-    ``optimizer_state``: count ``HostAdamW``'s two fp32 moments per trainable element. Tied
+    ``optimizer_state``: count ``HostAdamW``'s two fp32 moments per trainable element;
+    ``frozen_in_wire_dtype``: frozen weights in the wire dtype, else in fp32 (``HostStore``'s). Tied
     parameters (one tensor in two units) are counted once, frozen ones in their wire dtype only.
     """
     seen: set[int] = set()
@@ -72,6 +74,8 @@ def host_breakdown_for_units(
                 continue
             seen.add(id(p))
             wire = wire_dtype(p.dtype, p.ndim, compute_dtype, embedding=u in embedding_units, name=name)
+            if not p.requires_grad and not frozen_in_wire_dtype and wire.is_floating_point:
+                wire = torch.float32
             specs.append(TensorSpec(p.numel(), p.requires_grad, wire))
         sizes.append(lay_out(specs))
     return host_tiers(sizes, compute_dtype, staging=staging, optimizer_state=optimizer_state)
@@ -125,7 +129,7 @@ def check_host_memory(
 
 
 def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
-          host_staging: bool | str, optimizer_state: bool) -> bool:
+          host_staging: bool | str, optimizer_state: bool, frozen_in_wire_dtype: bool = True) -> bool:
     """Raise with the arithmetic before allocating, rather than meet the OOM killer later.
 
     Returns whether to keep the host staging copy: with ``host_staging="auto"`` it is dropped when
@@ -137,7 +141,8 @@ def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[i
 
     def check(staging: bool) -> None:
         breakdown = host_breakdown_for_units(units, compute_dtype=compute_dtype, staging=staging,
-                                             embedding_units=embedding_units, optimizer_state=optimizer_state)
+                                             embedding_units=embedding_units, optimizer_state=optimizer_state,
+                                             frozen_in_wire_dtype=frozen_in_wire_dtype)
         check_host_memory(sum(breakdown.values()), breakdown, available=available)
 
     if host_staging is False:

@@ -14,6 +14,9 @@ Public hooks where they exist:
   applied to the gradients at once when a callback could observe them (it overrides
   ``on_pre_optimizer_step`` or ``on_optimizer_step``). A non-finite norm skips the update.
 * ``accelerator.prepare_optimizer``: HostAdamW's state is not copied to the device and back.
+* ``accelerator.prepare_model(..., evaluation_mode=True)`` (how TRL prepares its reference and reward
+  models): a model of a supported family is attached frozen and streamed like the policy, instead
+  of being moved whole to the device.
 
 Checkpoint and layer-major overrides live in ``checkpoints.py`` and ``layer_major.py``.
 """
@@ -189,6 +192,15 @@ def _install_accelerator(patcher: Patcher, plugin, trainer) -> None:
             optimizer.set_clip_coef(coef)
         return norm
 
+    original_prepare_model = accelerator.prepare_model
+
+    def prepare_model(model, device_placement=None, evaluation_mode=False):
+        # TRL's reference and reward models are prepared for evaluation after Trainer.__init__:
+        # streamed like the policy (frozen, in the wire dtype) instead of moved whole to the device
+        if evaluation_mode and plugin.attach_reference(model, trainer.args):
+            return model
+        return original_prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
     def prepare_optimizer(optimizer, device_placement=None):
         # HostAdamW's state lives in the host store: with device placement, accelerate would copy the
         # whole state to the GPU and load it back (as much host RSS and GPU memory, and time)
@@ -198,5 +210,6 @@ def _install_accelerator(patcher: Patcher, plugin, trainer) -> None:
 
     patcher.set_attr(accelerator, "clip_grad_norm_", clip_grad_norm_)
     patcher.set_attr(accelerator, "prepare_optimizer", prepare_optimizer)
+    patcher.set_attr(accelerator, "prepare_model", prepare_model)
     gradient_state = accelerator.gradient_state
     plugin.engine.set_final_microbatch(lambda: bool(gradient_state.sync_gradients))

@@ -68,6 +68,7 @@ class MegaTrainPlugin(TrainerCallback):
         self._trainer: weakref.ref | None = None
         self._engine: Engine | None = None
         self._fresh: Engine | None = None  # the engine attach_to built last (not a reused one)
+        self.references: list[Engine] = []  # frozen models streamed beside the policy (TRL's reference)
         self._logged: set[str] = set()
 
     @property
@@ -116,6 +117,28 @@ class MegaTrainPlugin(TrainerCallback):
         self._engine = attach(model, self.config, device=args.device, bf16=bool(args.bf16))
         self._fresh = self._engine
         return self._engine
+
+    def attach_reference(self, model, args) -> bool:
+        """Attach a frozen model that is evaluated beside the trained one (TRL's reference or reward
+        model); returns False (leave it to Accelerate) for a model megatrain cannot stream."""
+        from ...hf.families import FAMILIES, unwrap
+
+        if not isinstance(model, torch.nn.Module) or model is self.engine.model:
+            return False
+        if engine_of(model) is not None:
+            return True  # attached already: nothing to move
+        config = getattr(unwrap(model), "config", None)
+        if getattr(config, "model_type", None) not in FAMILIES:
+            return False
+        model.requires_grad_(False)  # evaluated under no_grad: no master, gradient or optimizer state
+        # a reference synchronised with the policy (TRL's sync_ref_model) is edited in place: kept in fp32,
+        # as plain training keeps it; else in the wire dtype (2 B/param for bf16 matrices)
+        edited = bool(getattr(args, "sync_ref_model", False))
+        self.references.append(attach(model, self.config, device=args.device, bf16=bool(args.bf16),
+                                      frozen_in_wire_dtype=not edited))
+        logger.info("megatrain: %s is streamed as a frozen reference (%.2f GiB host, wire dtype)",
+                    type(unwrap(model)).__name__, self.references[-1].store.host_bytes() / 2**30)
+        return True
 
     def attaching(self, model_init: Callable, args) -> Callable:
         """``model_init`` whose every model is attached (Trainer reads its arity: it is kept)."""
@@ -180,11 +203,11 @@ class MegaTrainPlugin(TrainerCallback):
         """Serve TRL's fused LM head (if the model has one) through the engine's head unit."""
         from ..trl import adopt_fused_lm_head
 
-        engine = self.engine
-        model = engine.model
-        for candidate in (model, getattr(model, "get_base_model", lambda: None)()):
-            if candidate is not None and adopt_fused_lm_head(engine, candidate):
-                return
+        for engine in (self.engine, *self.references):
+            model = engine.model
+            for candidate in (model, getattr(model, "get_base_model", lambda: None)()):
+                if candidate is not None and adopt_fused_lm_head(engine, candidate):
+                    break
 
     # ------------------------------------------------------------------ callback events
     def on_train_begin(self, args, state, control, **kwargs):
