@@ -94,9 +94,18 @@ def register_family(model_type: str, locate: Callable[[nn.Module], Units] | None
     return family
 
 
-for _model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"):
+# Dense families whose head is lm_head(hidden), at most soft-capped: the chunked loss is exact.
+for _model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
+                    "smollm3", "starcoder2"):
     register_family(_model_type, chunked_loss=True)
 register_family("gpt2", decoder_units(embeddings=("wte", "wpe"), layers="h", norm="ln_f"), chunked_loss=True)
+# Scaled logits: Granite divides them by ``logits_scaling``, Cohere multiplies them by ``logit_scale``.
+for _model_type in ("granite", "cohere"):
+    register_family(_model_type, chunked_loss=False)
+# Mixture-of-experts: HF adds ``router_aux_loss_coef`` x the load-balancing loss of the router logits
+# it captures (``output_router_logits``) in the model's own forward, which the chunked loss bypasses.
+for _model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    register_family(_model_type, chunked_loss=False)
 
 
 def unsupported_message(model_type: object, class_name: str) -> str:
