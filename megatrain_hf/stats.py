@@ -3,7 +3,8 @@
 FLOPs follow PaLM's model-FLOPs convention (Chowdhery et al. 2022, appendix B; nanoGPT's MFU
 estimate): per trained token, ``6 N + 12 L H Q S``, with ``N`` the parameters of every matmul --
 all parameters except the input-embedding lookup tables (a table tied to the head counts once, as
-the head) -- ``L`` layers, ``H`` attention heads, ``Q`` the head dimension and ``S`` the sequence
+the head; of a mixture-of-experts layer's routed experts, the ``experts_per_token`` a token
+activates) -- ``L`` layers, ``H`` attention heads, ``Q`` the head dimension and ``S`` the sequence
 length; causal attention is counted in full (not halved) and the engine's recompute is not
 counted. With frozen parameters (LoRA) the weight-gradient third counts only the trainable ones:
 ``4 N + 2 N_trainable + 12 L H Q S``.

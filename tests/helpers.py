@@ -27,6 +27,9 @@ _COMMON = dict(
     attention_dropout=0.1,
 )
 
+_TOKENS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # inside the tiny vocabulary
+_MOE = dict(output_router_logits=True, router_aux_loss_coef=0.1, **_TOKENS)
+
 FAMILY_CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
@@ -41,7 +44,44 @@ FAMILY_CONFIGS = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 16, "sliding_window": 8}),
     # learned absolute positions (a second embedding unit), Conv1D projections, tied head, dropout 0.1
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"bos_token_id": 0, "eos_token_id": 0, "n_inner": 128}),
+    # fused qkv_proj and gate_up_proj, residual dropout after attention and MLP, embedding dropout
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"resid_pdrop": 0.1, "embd_pdrop": 0.1, **_TOKENS}),
+    # full-width q/k norms, norms after attention and MLP (none before)
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", _TOKENS),
+    # embedding, residual and attention multipliers; logits divided by logits_scaling (no chunked loss)
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                                                         "attention_multiplier": 0.2, "logits_scaling": 4.0,
+                                                         **_TOKENS}),
+    # layer 0 without rotary positions (NoPE), tied head
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {"no_rope_layers": [0, 1], **_TOKENS}),
+    # parallel attention and MLP, bias-free LayerNorm, q/k LayerNorms, tied head, logits x logit_scale
+    "cohere": ("CohereConfig", "CohereForCausalLM", {"logit_scale": 0.5, "use_qk_norm": True, **_TOKENS}),
+    # LayerNorms and linears with biases, plain (ungated) MLP, residual and embedding dropout, tied head
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"residual_dropout": 0.1, "embedding_dropout": 0.1,
+                                                                 "sliding_window": 8, **_TOKENS}),
+    # mixture-of-experts, the router's load-balancing loss in the loss (output_router_logits)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                        "intermediate_size": 32, "sliding_window": 8, **_MOE}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 32, **_MOE}),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                  "intermediate_size": 32, **_MOE}),
+    # a shared expert with its sigmoid gate beside the routed ones; layer 0 a dense MLP (two layer templates)
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 32,
+                                                            "shared_expert_intermediate_size": 64,
+                                                            "mlp_only_layers": [0], **_MOE}),
 }
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")
+
+
+def without_dropout(family: str) -> dict:
+    """Config overrides that turn off every random draw of ``family`` in training (dropout of any
+    name, ``*_pdrop``, router jitter): what layer-major needs to match plain Trainer bitwise."""
+    config_name, _, extra = FAMILY_CONFIGS[family]
+    config = getattr(transformers, config_name)(**{**_COMMON, **extra})
+    return {k: 0.0 for k, v in config.to_dict().items()
+            if isinstance(v, float) and (k.endswith("dropout") or k.endswith("pdrop") or k.endswith("jitter_noise"))}
 
 
 def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:

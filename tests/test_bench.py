@@ -152,6 +152,25 @@ def test_worker_timeout_is_a_failure_with_reason(tmp_path):
     assert "tokens_per_s" not in result
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma", "gpt2", "phi3", "mixtral", "qwen2_moe"])
+def test_engine_flops_model_equals_the_shapes(family):
+    """The engine's N (from the modules) is the bench's (from the config): tied tables once, learned
+    positions left out, of the routed experts the num_experts_per_tok a token is computed with."""
+    from helpers import tiny_model
+    from megatrain_hf import attach
+    from megatrain_hf.memory import ModelShape
+
+    model = tiny_model(family)
+    shape = ModelShape.from_hf_config(model.config)
+    engine = attach(model, device="cpu")
+    matmul, trainable, layers, heads, head_dim = engine.stats._flops_model
+    assert matmul == trainable == non_embedding_params(shape)
+    assert (layers, heads, head_dim) == (shape.layers, shape.heads, shape.dim_head)
+    if shape.experts:  # 4 experts, top-2: half of the routed experts' parameters count
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        assert sum(p.numel() for p in model.parameters()) - matmul == shape.vocab * shape.hidden + experts // 2
+
+
 def test_flops_formula_llama_7b_by_hand():
     """PaLM's convention for the Llama-2-7B shape at S = 4096, against a hand computation."""
     shape = PRESETS["llama-7b"]

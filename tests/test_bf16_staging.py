@@ -83,3 +83,20 @@ def test_lora_bf16_matches_autocast(tmp_path):
     for n, p in model.named_parameters():
         if not p.requires_grad and p.dtype == torch.bfloat16:  # frozen matrices: stored in bf16
             torch.testing.assert_close(state[n], ref_state[n].to(torch.bfloat16).float(), atol=0, rtol=0)
+
+
+def test_norm_weights_of_any_shape_stay_fp32(tmp_path):
+    """Cohere's per-head q/k LayerNorm weights are heads x head_dim matrices by shape, but autocast
+    leaves a norm in fp32: they cross the link in fp32, and bf16 training matches plain Trainer's
+    (measured on CPU: 0.0; in bf16 on the wire 6.6e-5 in the loss)."""
+    ref = tiny_model("cohere")
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", bf16=True))
+    model = tiny_model("cohere")
+    _, losses = train(model, training_args(tmp_path / "mt", bf16=True),
+                      callbacks=[MegaTrainPlugin(MegaTrainConfig(compute_dtype="auto"))])
+    engine = engine_of(model)
+    assert engine.compute_dtype == torch.bfloat16
+    q_norm = next(e for e in engine.store.entries[1] if e.name == "self_attn.q_norm.weight")
+    assert q_norm.tensor.ndim == 2 and q_norm.wire == torch.float32
+    assert_close_losses(ref_losses, losses, 1e-5)
+    assert_close_params(state_of(ref), state_of(model), PARAM_ATOL_BF16)

@@ -21,6 +21,7 @@ from helpers import (
     training_args,
 )
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach, engine_of
+from megatrain_hf.hf.families import FAMILIES
 from transformers import Trainer
 
 
@@ -31,7 +32,11 @@ def _batch(n: int = 4) -> dict:
     return batch
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+CHUNKED = sorted(f for f in FAMILY_CONFIGS if FAMILIES[f].chunked_loss)
+UNCHUNKED = sorted(f for f in FAMILY_CONFIGS if not FAMILIES[f].chunked_loss)
+
+
+@pytest.mark.parametrize("family", CHUNKED)
 @pytest.mark.parametrize("chunk", [None, 7])
 @pytest.mark.parametrize("num_items", [None, 40])
 def test_matches_hf_loss_and_gradients(family, chunk, num_items):
@@ -55,6 +60,22 @@ def test_matches_hf_loss_and_gradients(family, chunk, num_items):
         assert abs(ref_loss.item() - out.loss.item()) < 2e-6
         for (name, p), (_, q) in pairs:
             torch.testing.assert_close(q.grad, p.grad, atol=1e-7, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("family", UNCHUNKED)
+def test_families_with_other_logits_keep_hf_loss(family, caplog):
+    """Scaled logits (Granite, Cohere) and the MoE auxiliary loss are not the chunked loss's
+    arithmetic: asked for it, the engine says so and HF computes the loss, exactly."""
+    batch = _batch()
+    ref = tiny_model(family, attention_dropout=0.0)
+    ref_loss = ref(**batch).loss
+    model = tiny_model(family, attention_dropout=0.0)
+    with caplog.at_level("WARNING", logger="megatrain_hf"):
+        engine = attach(model, MegaTrainConfig(chunked_loss=True), device="cpu")
+    assert "is not known to compute its logits as lm_head(hidden)" in caplog.text
+    assert not engine.chunked_loss_installed
+    out = model(**batch)
+    assert out.logits is not None and torch.equal(out.loss, ref_loss)
 
 
 def test_eval_generate_and_unlabelled_forwards_keep_logits():

@@ -47,11 +47,11 @@ def test_failed_backward_does_not_poison_the_next_one():
     original = engine.runner.recompute_backward
     calls = {"n": 0}
 
-    def failing(call, x, grad_out):
+    def failing(call, x, grad_out, *rest):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected failure")
-        return original(call, x, grad_out)
+        return original(call, x, grad_out, *rest)
 
     engine.runner.recompute_backward = failing
     with pytest.raises(RuntimeError, match="injected failure"):
@@ -186,3 +186,31 @@ def test_gradient_round_trip_on_an_emulated_grad_stream():
         assert torch.allclose(torch.linalg.vector_norm(torch.stack(cached)), expected)
     finally:
         engine.detach()
+
+
+def test_sub_module_hook_outputs_are_differentiable():
+    """What a sub-module's forward hook keeps is part of the graph, as in plain PyTorch: a loss on it
+    (here the MLP outputs and the attention outputs, a tuple) trains the weights that made it. Before
+    the streamed call returned such tensors as outputs of its node, they were computed without a
+    graph and their loss term reached no weight."""
+
+    def run(model, engine=None):
+        kept = []
+        model.model.layers[0].mlp.register_forward_hook(lambda m, a, out: kept.append(out))
+        model.model.layers[1].self_attn.register_forward_hook(lambda m, a, k, out: kept.append(out[0]),
+                                                              with_kwargs=True)
+        seen = []  # an observing hook that keeps nothing: its output stays unused
+        model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+        loss = _loss(model)
+        assert len(kept) == 2 and all(t.requires_grad for t in kept)
+        (loss + 0.5 * sum(t.square().mean() for t in kept)).backward()
+        if engine is not None:
+            engine.synchronize()
+        assert len(seen) == 1  # observing hooks run once per forward, not again in the recompute
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    expected = run(tiny_model("llama"))
+    model = tiny_model("llama")
+    got = run(model, attach(model, device="cpu"))
+    for n in expected:
+        torch.testing.assert_close(got[n], expected[n], atol=1e-6, rtol=0, msg=n)

@@ -29,6 +29,7 @@ from helpers import (
     tiny_model,
     train,
     training_args,
+    without_dropout,
 )
 from megatrain_hf import Engine, MegaTrainPlugin, attach, engine_of
 from transformers import Trainer
@@ -58,9 +59,9 @@ def _microbatch_threads() -> list[threading.Thread]:
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
 def test_trainer_parity_layer_major(family, tmp_path, group_calls):
     args = dict(gradient_accumulation_steps=4)
-    ref_model = tiny_model(family, attention_dropout=0.0)
+    ref_model = tiny_model(family, **without_dropout(family))
     _, ref_losses = train(ref_model, training_args(tmp_path / "ref", **args))
-    model = tiny_model(family, attention_dropout=0.0)
+    model = tiny_model(family, **without_dropout(family))
     _, losses = train(model, training_args(tmp_path / "mt", **args), callbacks=[MegaTrainPlugin()])
     assert group_calls == [4] * 6  # every optimizer step ran as one layer-major group
     assert len(ref_losses) == 24
@@ -134,6 +135,20 @@ def test_auto_keeps_plain_order_with_dropout(tmp_path, group_calls, caplog):
     assert "has dropout" in caplog.text and "self_attn.attention_dropout" in caplog.text
     assert_close_losses(ref_losses, losses, ATOL)
     assert_close_params(state_of(ref_model), state_of(model), ATOL)
+
+
+def test_every_random_draw_counts_as_dropout():
+    """Layer-major 'auto' must see every random draw of a training forward, whatever its name."""
+    from megatrain_hf.hf.checks import dropout_modules
+
+    starcoder2 = dropout_modules(tiny_model("starcoder2", attention_dropout=0.0))
+    assert "model.embedding_dropout" in starcoder2
+    assert "model.layers.0.mlp.residual_dropout" in starcoder2
+    assert "model.layers.0.resid_attn_dropout" in dropout_modules(tiny_model("phi3", attention_dropout=0.0))
+    mixtral = dropout_modules(tiny_model("mixtral", attention_dropout=0.0, router_jitter_noise=0.1))
+    assert mixtral == ["model.layers.0.mlp.jitter_noise", "model.layers.1.mlp.jitter_noise"]
+    for family in ("starcoder2", "phi3", "mixtral", "gpt2"):
+        assert dropout_modules(tiny_model(family, **without_dropout(family))) == [], family
 
 
 def test_forced_layer_major_with_dropout_trains(tmp_path, group_calls):

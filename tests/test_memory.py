@@ -52,9 +52,13 @@ def _units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 
 def _store_tiers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
-    """Bytes the real HostStore allocates (+ HostAdamW's two moments, same numel as the masters)."""
-    hs = store.HostStore(_units(model), compute_dtype=dtype, pin=False,
-                         embedding_units=frozenset({0}))
+    """Bytes the real HostStore allocates (+ HostAdamW's two moments, same numel as the masters),
+    with the units as the engine finds them (the family record)."""
+    from megatrain_hf.hf.families import family_of
+
+    located = family_of(model).locate(model)
+    hs = store.HostStore(list(zip(located.names, located.modules)), compute_dtype=dtype, pin=False,
+                         embedding_units=located.embedding_units)
     staging = sum(b.staging_host.numel() * b.staging_host.element_size() for b in hs.buffers
                   if b.staging_host is not None)
     frozen = sum(t.numel() * t.element_size() for b in hs.buffers for t in b.frozen_host.values())
@@ -100,14 +104,69 @@ def test_params_exact_for_every_supported_family(family):
     assert ModelShape.from_hf_config(model.config.to_dict()).params() == shape.params()
 
 
-def test_from_hf_config_nested_text_config_and_moe_refused():
+def test_from_hf_config_nested_text_config_and_unknown_moe_refused():
     nested = {"model_type": "gemma3", "text_config": {**ODD_KW, "model_type": "gemma3_text", "head_dim": 16}}
     shape = ModelShape.from_hf_config(nested)
     assert (shape.hidden, shape.head_dim, shape.qk_norm, shape.norms_per_layer, shape.tied) == (72, 16, True, 4, True)
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        ModelShape.from_hf_config({**ODD_KW, "model_type": "mixtral", "num_local_experts": 8})
+    with pytest.raises(ValueError, match="models the experts of mixtral, olmoe, qwen2_moe and qwen3_moe only"):
+        ModelShape.from_hf_config({**ODD_KW, "model_type": "deepseek_v3", "n_routed_experts": 8})
     with pytest.raises(ValueError, match="hidden_size"):
         ModelShape.from_hf_config({"model_type": "llama"})
+
+
+def _odd(family: str, **extra):
+    """``family``'s tiny model at sizes that are not multiples of 16 (the store's alignment shows)."""
+    sizes = dict(hidden_size=72, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, vocab_size=101)
+    moe = {"intermediate_size": 20} if family in ("mixtral", "olmoe") else {"moe_intermediate_size": 20}
+    if family in ("mixtral", "olmoe", "qwen3_moe", "qwen2_moe"):
+        sizes.update(moe, num_experts_per_tok=2)
+    else:
+        sizes["intermediate_size"] = 100
+    if family == "qwen2_moe":
+        sizes.update(shared_expert_intermediate_size=36, mlp_only_layers=[1], intermediate_size=100)
+    if family == "smollm3":
+        sizes["no_rope_layers"] = [0, 1, 1]
+    if family == "gpt2":
+        sizes = dict(hidden_size=72, num_attention_heads=4, num_hidden_layers=3, vocab_size=101, n_inner=100)
+    if family == "qwen3_moe":
+        sizes.update(head_dim=18, decoder_sparse_step=2, intermediate_size=100)  # layers 0, 2 dense
+    return tiny_model(family, **{**sizes, **extra})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_host_plan_is_exact_for_every_family(family, dtype):
+    """The plan from the config alone equals what the real store allocates, for every family's
+    layout (fused projections, full-width q/k norms, biased LayerNorms, routed and shared experts,
+    dense layers between MoE layers), at sizes where the alignment shows."""
+    torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    model = _odd(family)
+    shape = ModelShape.from_hf_config(model.config)
+    assert shape.params() == sum(p.numel() for p in model.parameters())
+    assert ModelShape.from_hf_config(model.config.to_dict()) == shape  # config.json's dict: the same shape
+    plan = plan_memory(shape, seq_len=8, micro_batch=1, compute_dtype=dtype)
+    assert plan.host_breakdown() == _store_tiers(model, torch_dtype)
+
+
+def test_moe_shapes_count_every_expert():
+    """Every expert of every MoE layer lives in host RAM: Mixtral-8x7B's published 46.7 B, and the
+    dense layers of Qwen2/3-MoE sized as dense."""
+    mixtral = ModelShape.from_hf_config(dict(
+        model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
+        num_experts_per_tok=2, tie_word_embeddings=False))
+    assert mixtral.params() == 46_702_792_704
+    qwen3 = ModelShape.from_hf_config(dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False))
+    assert qwen3.params() == 30_532_122_624  # Qwen3-30B-A3B
+    sparse = ModelShape.from_hf_config({**qwen3.to_dict(), "model_type": "qwen3_moe", "hidden_size": 2048,
+                                        "intermediate_size": 6144, "moe_intermediate_size": 768,
+                                        "num_hidden_layers": 4, "num_attention_heads": 32, "vocab_size": 151936,
+                                        "num_experts": 128, "mlp_only_layers": [0]})
+    assert sparse.dense_layers == (0,)
+    assert sparse.layer_params(0) < sparse.layer_params(1)
 
 
 # ------------------------------------------------------------------------------------ host plan

@@ -24,17 +24,22 @@ from megatrain_hf import MegaTrainPlugin, engine_of
 ATOL = 1e-6
 
 
-_LORA_TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_proj"]}
+LORA_TARGETS = {
+    "llama": ["q_proj", "v_proj", "down_proj"],
+    "phi3": ["qkv_proj", "down_proj"],  # fused projections
+    "mixtral": ["q_proj", "v_proj"],  # the experts are fused tensors, not Linear modules
+    "gpt2": ["c_attn", "c_proj"],  # Conv1D: its weight is stored transposed (fan_in_fan_out)
+}
 
 
 def _lora(model, family: str = "llama"):
     peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=_LORA_TARGETS[family],
-                             fan_in_fan_out=family == "gpt2")  # GPT-2's Conv1D stores its weight transposed
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=LORA_TARGETS[family],
+                             fan_in_fan_out=family == "gpt2")
     return peft.get_peft_model(model, config)
 
 
-@pytest.mark.parametrize("family", sorted(_LORA_TARGETS))
+@pytest.mark.parametrize("family", sorted(LORA_TARGETS))
 def test_lora_parity(tmp_path, family):
     ref = _lora(tiny_model(family), family)
     _, ref_losses = train(ref, training_args(tmp_path / "ref"))
@@ -52,12 +57,13 @@ def test_lora_parity(tmp_path, family):
     assert (tmp_path / "adapter" / "adapter_model.safetensors").exists()
 
 
-def test_resume_equals_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_resume_equals_uninterrupted_run(tmp_path, family):
     args = dict(save_strategy="steps", save_steps=3)
-    full_model = tiny_model("llama")
+    full_model = tiny_model(family)
     _, full_losses = train(full_model, training_args(tmp_path / "run", **args), callbacks=[MegaTrainPlugin()])
 
-    resumed = tiny_model("llama", seed=123)  # different init: everything must come from the checkpoint
+    resumed = tiny_model(family, seed=123)  # different init: everything must come from the checkpoint
     _, resumed_losses = train(
         resumed,
         training_args(tmp_path / "run", **args),
@@ -68,9 +74,33 @@ def test_resume_equals_uninterrupted_run(tmp_path):
     assert_close_params(state_of(full_model), state_of(resumed), ATOL)
 
     # the reference agrees with the uninterrupted megatrain run
-    ref = tiny_model("llama")
+    ref = tiny_model(family)
     _, ref_losses = train(ref, training_args(tmp_path / "ref"))
     assert_close_losses(ref_losses, full_losses, ATOL)
+    assert_close_params(state_of(ref), state_of(full_model), ATOL)
+
+
+def test_moe_resume_matches_plain_trainer(tmp_path):
+    """A mid-run checkpoint of an MoE model resumes under megatrain exactly as under plain Trainer:
+    every micro-batch loss and every final parameter, router and experts included. (Not as the
+    uninterrupted run: transformers 5.17-5.24 write the experts in the per-expert Hub format and
+    Trainer's resume loads them without converting back, so experts and routers keep the new
+    model's init -- huggingface/transformers#48805 -- under plain Trainer and megatrain alike.)"""
+    args = dict(save_strategy="steps", save_steps=3)
+    runs = {}
+    for name, callbacks in (("plain", None), ("mt", [MegaTrainPlugin()])):
+        full = tiny_model("mixtral")
+        _, full_losses = train(full, training_args(tmp_path / name, **args), callbacks=callbacks)
+        resumed = tiny_model("mixtral", seed=123)
+        _, resumed_losses = train(resumed, training_args(tmp_path / name, **args), callbacks=callbacks,
+                                  resume=str(tmp_path / name / "checkpoint-3"))
+        runs[name] = (full_losses, state_of(full), resumed_losses, state_of(resumed))
+    (ref_full, ref_state, ref_resumed, ref_resumed_state), (full, state, resumed, resumed_state) = runs.values()
+    assert len(ref_resumed) == 6
+    assert_close_losses(ref_full, full, ATOL)
+    assert_close_params(ref_state, state, ATOL)
+    assert_close_losses(ref_resumed, resumed, ATOL)
+    assert_close_params(ref_resumed_state, resumed_state, ATOL)
 
 
 def test_checkpoint_loads_with_plain_from_pretrained(tmp_path):

@@ -6,7 +6,8 @@ Convention (Chowdhery et al. 2022, "PaLM", Appendix B; the MFU estimate of nanoG
 
 - ``N``: the model's parameters, excluding the input-embedding lookup table (a lookup does no
   multiply-adds). The LM head is a matmul and counts; a table tied to the LM head is one tensor
-  and counts once, as the head.
+  and counts once, as the head. Of a mixture-of-experts layer's routed experts only the
+  ``experts_per_token`` each token is computed with count (the activated parameters).
 - ``6 * N``: forward (2 per parameter per token) plus backward (4).
 - ``12 * L * H * Q * S``: the attention score and value matmuls (``QK^T`` and ``AV``), forward and
   backward, with ``L`` layers, ``H`` query heads, ``Q`` the head dimension and ``S`` the sequence
@@ -32,8 +33,13 @@ FLOPS_CONVENTION = (
 
 
 def non_embedding_params(shape: ModelShape) -> int:
-    """``N``: every parameter except the input-embedding lookup table (kept when it is the tied head)."""
-    return shape.params() - (0 if shape.tied else shape.vocab * shape.hidden)
+    """``N``: every parameter except the input-embedding lookup table (kept when it is the tied head);
+    of the routed experts, the ``experts_per_token`` a token is computed with."""
+    n = shape.params() - (0 if shape.tied else shape.vocab * shape.hidden) - shape.positions * shape.hidden
+    for layer in range(shape.layers):
+        routed = sum(v for k, v in shape.expert_tensors(layer).items() if k.startswith("experts."))
+        n -= routed - routed // shape.experts * shape.experts_per_token if routed else 0
+    return n
 
 
 def model_flops_per_token(shape: ModelShape, seq_len: int) -> int:

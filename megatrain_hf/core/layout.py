@@ -49,20 +49,27 @@ def is_lora_name(name: str) -> bool:
     return ".lora_" in f".{name}"
 
 
+def is_norm_name(name: str) -> bool:
+    """A parameter of a normalisation module (``q_norm.weight``, ``input_layernorm.weight``): its
+    module's name says so, as every transformers family names them."""
+    return any("norm" in part.lower() for part in name.split(".")[:-1])
+
+
 def wire_dtype(
     dtype: torch.dtype, ndim: int, compute_dtype: torch.dtype, *, embedding: bool, name: str = ""
 ) -> torch.dtype:
     """The dtype a tensor crosses the link in, and is computed with.
 
-    Matrices travel in the compute dtype; vectors (norms, biases), embedding tables and PEFT LoRA
-    matrices (PEFT casts the adapter's input to their dtype, so a bf16 copy would move LoRA dropout
-    and its backward to bf16) in fp32. This is what autocast does to an fp32 model -- matmul
-    weights rounded to bf16, embeddings, norms and the residual stream in fp32 -- which is why
-    bf16 runs match plain HF bf16 training instead of drifting with a bf16 residual stream.
+    Matrices travel in the compute dtype; vectors (norms, biases), norm weights of any shape
+    (Cohere's per-head q/k norms are ``heads x head_dim``), embedding tables and PEFT LoRA matrices
+    (PEFT casts the adapter's input to their dtype, so a bf16 copy would move LoRA dropout and its
+    backward to bf16) in fp32. This is what autocast does to an fp32 model -- matmul weights
+    rounded to bf16, embeddings, norms and the residual stream in fp32 -- which is why bf16 runs
+    match plain HF bf16 training instead of drifting with a bf16 residual stream.
     """
     if not dtype.is_floating_point:
         return dtype
-    if ndim >= 2 and not embedding and not is_lora_name(name):
+    if ndim >= 2 and not embedding and not is_lora_name(name) and not is_norm_name(name):
         return compute_dtype
     return torch.float32
 

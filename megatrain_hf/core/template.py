@@ -11,12 +11,19 @@ the real module would.
 Hooks: a template carries none of its own (a deep copy would carry the real modules' hooks into
 every layer that shares it). The real unit's own hooks run in its ``__call__`` as usual, since
 the engine replaces only its ``forward``; the hooks of the real unit's *sub-modules* (a user's hook
-on ``layers[0].mlp``, HF's output-capture hooks on the attention modules) are mirrored onto the
-template's sub-modules while it computes that unit. In the forward of a training call every hook
-runs once; the backward's recompute runs again only the forward (pre-)hooks that changed a value
-in the forward (returned something), so that the recomputed graph is the forward's, while hooks
-that only observe fire once, as they do in a plain forward. Backward hooks of sub-modules run in
-the recompute, the only pass with a graph.
+on ``layers[0].mlp``, HF's output-capture hooks on the attention modules and MoE routers) are
+mirrored onto the template's sub-modules while it computes that unit. In the forward of a training
+call every hook runs once; the backward's recompute runs again only the forward (pre-)hooks that
+changed a value in the forward (returned something), so that the recomputed graph is the forward's,
+while hooks that only observe fire once, as they do in a plain forward. Backward hooks of
+sub-modules run in the recompute, the only pass with a graph.
+
+What a sub-module's forward hook receives as the output may be kept and differentiated outside
+the unit (HF adds the router logits it captures to the loss: the MoE auxiliary loss). So every
+floating-point tensor of such an output is *seen*: :attr:`HookRecord.seen` lists them, in the order
+the hooks received them, in the forward and again in the recompute (where an observing hook is not
+called, only seen); the streamed call makes them outputs of its autograd node and differentiates
+the recomputed ones with the gradients they received (``runtime/streamed_call.py``).
 
 HF's own activation checkpointing is never used inside a template: the engine owns recompute
 (HF's would read the real module's host parameters).
@@ -124,18 +131,52 @@ class Mirror:
 
 @dataclass
 class HookRecord:
-    """The forward (pre-)hooks of sub-modules that changed a value in a call's forward: the ones its
-    recompute runs again (keyed by submodule index and hook id)."""
+    """A training call's record of its sub-modules' forward hooks (see module docstring)."""
 
     modifying: set[tuple[int, int]] = field(default_factory=set)
+    """The (pre-)hooks that changed a value in the forward, by (submodule index, hook id): the ones
+    the recompute runs again."""
+    seen: list[torch.Tensor] = field(default_factory=list)
+    """The floating-point tensors the forward hooks received as outputs during the current compute,
+    each once, in order (the runner takes and clears it after each compute)."""
+
+    def see(self, output) -> None:
+        for t in _tensors_of(output):
+            if t.is_floating_point() and not any(t is s for s in self.seen):
+                self.seen.append(t)
 
 
-def _recording(hook, key: tuple[int, int], record: HookRecord):
+def _tensors_of(value) -> list[torch.Tensor]:
+    """The tensors of a module output: a tensor, or those of a tuple / list / dict (one level deep, as
+    hooks index outputs)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+def _recording(hook, key: tuple[int, int], record: HookRecord, forward_hook: bool):
     def run(*args, **kwargs):
+        if forward_hook:  # the output is the hook's last positional argument
+            record.see(args[-1])
         result = hook(*args, **kwargs)
         if result is not None:
             record.modifying.add(key)
         return result
+
+    return run
+
+
+def _seeing(hook, record: HookRecord):
+    """A forward hook of the recompute: the output it receives is seen, then the hook runs if it
+    changed a value in the forward (``hook`` is not None)."""
+
+    def run(*args, **kwargs):
+        record.see(args[-1])
+        return hook(*args, **kwargs) if hook is not None else None
 
     return run
 
@@ -194,10 +235,17 @@ class Template:
             t_vars[name] = r_vars[name]
         for name in _FORWARD_HOOKS:
             real = r_vars[name]
+            forward_hook = name == "_forward_hooks"
             if record is None:  # a call without a recompute (no grad): every hook, once
                 t_vars[name] = real
             elif not recompute:
-                t_vars[name] = OrderedDict((hid, _recording(h, (i, hid), record)) for hid, h in real.items())
+                t_vars[name] = OrderedDict(
+                    (hid, _recording(h, (i, hid), record, forward_hook)) for hid, h in real.items()
+                )
+            elif forward_hook:  # every hook's output seen again, only the modifying ones run
+                t_vars[name] = OrderedDict(
+                    (hid, _seeing(h if (i, hid) in record.modifying else None, record)) for hid, h in real.items()
+                )
             else:
                 t_vars[name] = OrderedDict((hid, h) for hid, h in real.items() if (i, hid) in record.modifying)
         for name in ("_backward_pre_hooks", "_backward_hooks"):

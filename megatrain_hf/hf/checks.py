@@ -119,18 +119,24 @@ def without_cache(unit_name: str, module: nn.Module, args: tuple, kwargs: dict) 
     return args, out
 
 
+def _is_random_attr(attr: str) -> bool:
+    """Float attributes of HF modules that are a probability or noise level of a random draw in
+    training: ``dropout``, ``attention_dropout``, Starcoder2's ``residual_dropout`` and
+    ``embedding_dropout``, GPT-style ``*_pdrop``, Mixtral's router ``jitter_noise``."""
+    return attr.endswith("dropout") or attr.endswith("_pdrop") or attr == "jitter_noise"
+
+
 def dropout_modules(model: nn.Module) -> list[str]:
-    """Modules that draw random numbers in training mode (dropout probability > 0), whatever mode the
-    model is in now: a training step puts it in training mode before its forward."""
+    """Modules that draw random numbers in training mode (dropout probability or noise > 0), whatever
+    mode the model is in now: a training step puts it in training mode before its forward."""
     found = []
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
             if module.p > 0:
                 found.append(name)
             continue
-        for attr in ("attention_dropout", "dropout"):
-            value = module.__dict__.get(attr)
-            if isinstance(value, float) and value > 0:
+        for attr, value in module.__dict__.items():
+            if _is_random_attr(attr) and isinstance(value, float) and value > 0:
                 found.append(f"{name}.{attr}")
     return found
 

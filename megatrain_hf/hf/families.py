@@ -12,10 +12,15 @@ A family must provide (see :func:`register_family`):
   unit's output (hidden states) as its first argument or as one of ``INPUT_KWARGS`` and returns
   one tensor; every trainable parameter of the model must be inside a unit. Most decoder-only
   models are :func:`decoder_units` with their attribute names.
-* ``chunked_loss``: True only if the logits are ``lm_head(hidden)``, at most soft-capped by
-  ``config.final_logit_softcapping`` -- what the chunked loss computes (``chunked_loss.py``). A
-  family that scales its logits otherwise (Cohere's ``logit_scale``, Granite's
-  ``logits_scaling``) keeps HF's loss.
+* ``chunked_loss``: True only if the loss is cross-entropy on ``lm_head(hidden)``, at most
+  soft-capped by ``config.final_logit_softcapping`` -- what the chunked loss computes
+  (``chunked_loss.py``). A family that scales its logits otherwise (Cohere's ``logit_scale``,
+  Granite's ``logits_scaling``) or adds a term in its forward (the MoE router's load-balancing
+  loss) keeps HF's loss.
+
+What a unit's sub-modules pass to forward hooks is differentiable outside the unit (the streamed
+call returns it, ``runtime/streamed_call.py``): losses HF builds from captured outputs, such as
+the router logits of mixture-of-experts layers, need nothing more from the family record.
 """
 
 from __future__ import annotations
@@ -89,19 +94,35 @@ FAMILIES: dict[str, Family] = {}
 def register_family(model_type: str, locate: Callable[[nn.Module], Units] | None = None,
                     chunked_loss: bool = False) -> Family:
     """Declare ``model_type`` supported, after checking that it trains exactly like plain HF (the
-    parity test of ``tests/test_families.py`` with the family added to its list).
+    parity tests of ``tests/test_parity.py`` with the family added to ``FAMILY_CONFIGS`` in
+    ``tests/helpers.py``).
 
-    ``locate``: where the units are (default: :func:`decoder_units` with Llama's names);
-    ``chunked_loss``: whether the chunked loss is exact for it (see the module docstring).
+    ``locate(model) -> Units``: the streamed units in forward order (default: :func:`decoder_units`
+    with Llama's names ``embed_tokens`` / ``layers`` / ``norm`` and ``get_output_embeddings()``).
+    Each unit's ``forward`` takes the previous unit's output as its first argument or under one
+    of ``INPUT_KWARGS``, returns one tensor, and computes the same thing on every call with the
+    same inputs and random state (the backward recomputes it); every trainable parameter of the
+    model lies inside a unit; tables looked up by index are ``Units.embedding_units``.
+    ``chunked_loss``: whether the chunked loss is exact for it (see the module docstring); when
+    unsure, False (HF's own loss, always exact).
     """
     family = Family(model_type, locate or decoder_units(), chunked_loss)
     FAMILIES[model_type] = family
     return family
 
 
-for _model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"):
+# Dense families whose head is lm_head(hidden), at most soft-capped: the chunked loss is exact.
+for _model_type in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2",
+                    "smollm3", "starcoder2"):
     register_family(_model_type, chunked_loss=True)
 register_family("gpt2", decoder_units(embeddings=("wte", "wpe"), layers="h", norm="ln_f"), chunked_loss=True)
+# Scaled logits: Granite divides them by ``logits_scaling``, Cohere multiplies them by ``logit_scale``.
+for _model_type in ("granite", "cohere"):
+    register_family(_model_type, chunked_loss=False)
+# Mixture-of-experts: HF adds ``router_aux_loss_coef`` x the load-balancing loss of the router logits
+# it captures (``output_router_logits``) in the model's own forward, which the chunked loss bypasses.
+for _model_type in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    register_family(_model_type, chunked_loss=False)
 
 
 def unsupported_message(model_type: object, class_name: str) -> str:

@@ -56,25 +56,36 @@ class _UnitLayout:
         ]
 
 
-def _layout(shape: ModelShape, lora_rank: int | None, lora_targets: Iterable[str]) -> list[_UnitLayout]:
-    """The units as the store sees them (one layer layout; every layer is identical)."""
+def _layer_layout(shape: ModelShape, layer: int, lora_rank: int | None, lora_targets: Iterable[str]) -> _UnitLayout:
     lora = lora_rank is not None
     full = not lora
-    table = shape.vocab * shape.hidden
-    layer: list[_Tensor] = []
-    for lname, (fi, fo, bias) in shape.linears().items():
-        layer.append(_Tensor(fi * fo, True, full))
+    tensors: list[_Tensor] = []
+    for lname, (fi, fo, bias) in shape.linears(layer).items():
+        tensors.append(_Tensor(fi * fo, True, full))
         if bias:
-            layer.append(_Tensor(fo, False, full))
+            tensors.append(_Tensor(fo, False, full))
         if lora and lname in lora_targets:
-            layer.append(_Tensor(lora_rank * fi, True, True, lora=True))  # lora_A: (r, in)
-            layer.append(_Tensor(fo * lora_rank, True, True, lora=True))  # lora_B: (out, r)
-    if shape.qk_norm:
-        layer += [_Tensor(shape.dim_head, False, full)] * 2
-    layer += [_Tensor(shape.hidden, False, full)] * shape.norms_per_layer
+            tensors.append(_Tensor(lora_rank * fi, True, True, lora=True))  # lora_A: (r, in)
+            tensors.append(_Tensor(fo * lora_rank, True, True, lora=True))  # lora_B: (out, r)
+    tensors += [_Tensor(n, True, full) for n in shape.expert_tensors(layer).values()]  # router, experts
+    tensors += [_Tensor(n, False, full) for n in shape.norm_vectors()]
+    return _UnitLayout("layer", tuple(tensors))
+
+
+def _layout(shape: ModelShape, lora_rank: int | None, lora_targets: Iterable[str]) -> list[_UnitLayout]:
+    """The units as the store sees them (all layers alike, but an MoE model's dense layers)."""
+    full = lora_rank is None
+    table = shape.vocab * shape.hidden
+    layouts: dict[bool, _UnitLayout] = {}  # a layer's layout depends only on whether it routes experts
+    for layer in range(shape.layers):
+        if shape.is_moe_layer(layer) not in layouts:
+            layouts[shape.is_moe_layer(layer)] = _layer_layout(shape, layer, lora_rank, lora_targets)
     units = [_UnitLayout("embedding", (_Tensor(table, True, full),))]
-    units += [_UnitLayout("layer", tuple(layer))] * shape.layers
-    units.append(_UnitLayout("norm", (_Tensor(shape.hidden, False, full),)))
+    if shape.positions:  # learned positions: a second lookup table
+        units.append(_UnitLayout("embedding", (_Tensor(shape.positions * shape.hidden, True, full),)))
+    units += [layouts[shape.is_moe_layer(layer)] for layer in range(shape.layers)]
+    final_norm = [_Tensor(shape.hidden, False, full)] * (2 if shape.norm_bias else 1)
+    units.append(_UnitLayout("norm", tuple(final_norm)))
     if shape.tied:
         units.append(_UnitLayout("head", (), reads_embedding=True))
     else:
@@ -329,10 +340,13 @@ def plan_memory(
             n += aligned(units[0].tensors[0].numel)
         return 4 * n
 
-    distinct = units[:2] + units[-2:]  # embedding, one layer, norm, head
+    distinct = list({id(u): u for u in units}.values())  # embedding, each layer layout, norm, head
     tokens = seq_len * micro_batch
     in_flight = grad_accum if layer_major else 1
     h, i = shape.hidden, shape.intermediate
+    if shape.experts:  # a token's routed experts and the shared one (dense layers: the dense MLP)
+        routed = shape.experts_per_token * shape.expert_intermediate + shape.shared_expert_intermediate
+        i = max(routed, shape.intermediate if shape.dense_layers else 0)
     per_token = cbytes * (2 * h + 2 * shape.q_dim + 2 * shape.kv_dim + 4 * i) + 4 * (6 * h)
     checkpoints = _offloaded_checkpoint_bytes(shape, in_flight * tokens)
     plan = MemoryPlan(

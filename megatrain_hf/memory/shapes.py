@@ -12,9 +12,19 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
+_TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text", "cohere", "starcoder2", "smollm3")
+"""Model types whose transformers config class ties lm_head to the embedding unless told otherwise."""
+_FULL_QK_NORM = ("olmo2", "olmoe", "cohere")
+"""Model types whose q/k norms span every head (``heads * head_dim`` and ``kv_heads * head_dim``)."""
+_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
 @dataclass(kw_only=True, frozen=True)
 class ModelShape:
-    """The numbers that size a Llama-style decoder-only causal LM (Llama, Mistral, Qwen2/3, Gemma 1-3)."""
+    """The numbers that size a decoder-only causal LM with the Llama layout (Llama, Mistral, Qwen2/3,
+    Gemma 1-3, Granite, SmolLM3) or one of its variants: fused projections (Phi-3), full-width q/k
+    norms (OLMo 2, OLMoE, Cohere), a plain MLP and LayerNorms with biases (Starcoder2), routed
+    experts (Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE)."""
 
     hidden: int
     """Width of the residual stream (``hidden_size``)."""
@@ -41,7 +51,35 @@ class ModelShape:
     qk_norm: bool = False
     """Per-head RMSNorm on q and k (Qwen3, Gemma3): two vectors of ``head_dim`` per layer."""
     norms_per_layer: int = 2
-    """RMSNorms of width ``hidden`` per decoder layer (2 for Llama/Qwen/Gemma, 4 for Gemma2/3)."""
+    """Norms of width ``hidden`` per decoder layer (2 for Llama/Qwen/Gemma, 4 for Gemma2/3, 1 for
+    Cohere's parallel block)."""
+    qk_norm_full: bool = False
+    """The q/k norms span every head: ``q_dim`` and ``kv_dim`` elements (OLMo 2, OLMoE, Cohere)
+    instead of ``head_dim`` each."""
+    norm_bias: bool = False
+    """Every norm (final one included) has a bias beside its weight (Starcoder2's LayerNorms)."""
+    fused_qkv: bool = False
+    """q, k and v are one ``qkv_proj`` (Phi-3)."""
+    fused_gate_up: bool = False
+    """gate and up are one ``gate_up_proj`` (Phi-3)."""
+    gated_mlp: bool = True
+    """The MLP is gate/up/down; ``False``: ``c_fc`` and ``c_proj`` only (Starcoder2)."""
+    experts: int = 0
+    """Routed experts per mixture-of-experts layer (0: a dense model). Each layer holds all of them:
+    a router (``experts x hidden``) and two fused tensors, ``gate_up_proj`` (``experts x
+    2 expert_intermediate x hidden``) and ``down_proj`` (``experts x hidden x expert_intermediate``)."""
+    expert_intermediate: int = 0
+    """Width of one expert's gated MLP (``moe_intermediate_size``; Mixtral's and OLMoE's
+    ``intermediate_size``)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (``num_experts_per_tok``); sizes no tensor."""
+    shared_expert_intermediate: int = 0
+    """Width of Qwen2-MoE's shared expert (a gated MLP every token takes, with a ``hidden x 1`` gate)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of a mixture-of-experts model with a dense MLP of width ``intermediate`` instead
+    (Qwen2/3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``)."""
+    positions: int = 0
+    """Rows of a learned position table, a second embedding unit (GPT-2's ``wpe``); 0: none (rotary)."""
     name: str = ""
     """Label shown in tables (a preset name or the config's path)."""
 
@@ -56,6 +94,10 @@ class ModelShape:
             raise ValueError(
                 f"ModelShape hidden={self.hidden} is not divisible by heads={self.heads}; "
                 "set head_dim explicitly."
+            )
+        if self.experts and (not isinstance(self.expert_intermediate, int) or self.expert_intermediate < 1):
+            raise ValueError(
+                f"ModelShape experts={self.experts} needs expert_intermediate >= 1 (got {self.expert_intermediate!r})"
             )
         if self.heads % self.kv_heads:
             raise ValueError(
@@ -77,31 +119,60 @@ class ModelShape:
     def kv_dim(self) -> int:
         return self.kv_heads * self.dim_head
 
-    def linears(self) -> dict[str, tuple[int, int, bool]]:
-        """``{name: (in_features, out_features, has_bias)}`` of one decoder layer's linears."""
-        h, i = self.hidden, self.intermediate
-        return {
-            "q_proj": (h, self.q_dim, self.attention_bias),
-            "k_proj": (h, self.kv_dim, self.attention_bias),
-            "v_proj": (h, self.kv_dim, self.attention_bias),
-            "o_proj": (self.q_dim, h, self.o_proj_bias),
-            "gate_proj": (h, i, self.mlp_bias),
-            "up_proj": (h, i, self.mlp_bias),
-            "down_proj": (i, h, self.mlp_bias),
-        }
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.experts > 0 and layer not in self.dense_layers
 
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer."""
-        n = sum(fi * fo + (fo if bias else 0) for fi, fo, bias in self.linears().values())
-        n += self.norms_per_layer * self.hidden
+    def linears(self, layer: int = 0) -> dict[str, tuple[int, int, bool]]:
+        """``{name: (in_features, out_features, has_bias)}`` of decoder layer ``layer``'s linears
+        (in a mixture-of-experts layer: attention and the shared expert; see :meth:`expert_tensors`)."""
+        h = self.hidden
+        out: dict[str, tuple[int, int, bool]] = {}
+        if self.fused_qkv:
+            out["qkv_proj"] = (h, self.q_dim + 2 * self.kv_dim, self.attention_bias)
+        else:
+            out.update(q_proj=(h, self.q_dim, self.attention_bias), k_proj=(h, self.kv_dim, self.attention_bias),
+                       v_proj=(h, self.kv_dim, self.attention_bias))
+        out["o_proj"] = (self.q_dim, h, self.o_proj_bias)
+        if not self.is_moe_layer(layer):
+            out.update(self._mlp(self.intermediate, self.mlp_bias))
+        elif self.shared_expert_intermediate:
+            out.update({f"shared_expert.{k}": v for k, v in self._mlp(self.shared_expert_intermediate, False).items()})
+            out["shared_expert_gate"] = (h, 1, False)
+        return out
+
+    def _mlp(self, i: int, bias: bool) -> dict[str, tuple[int, int, bool]]:
+        h = self.hidden
+        if not self.gated_mlp:
+            return {"c_fc": (h, i, bias), "c_proj": (i, h, bias)}
+        gate_up = {"gate_up_proj": (h, 2 * i, bias)} if self.fused_gate_up else {
+            "gate_proj": (h, i, bias), "up_proj": (h, i, bias)}
+        return {**gate_up, "down_proj": (i, h, bias)}
+
+    def expert_tensors(self, layer: int = 0) -> dict[str, int]:
+        """``{name: elements}`` of layer ``layer``'s router and routed experts (empty when dense)."""
+        if not self.is_moe_layer(layer):
+            return {}
+        e, h, i = self.experts, self.hidden, self.expert_intermediate
+        return {"gate.weight": e * h, "experts.gate_up_proj": e * 2 * i * h, "experts.down_proj": e * h * i}
+
+    def norm_vectors(self) -> list[int]:
+        """Elements of each norm vector of one decoder layer (weights, biases, q/k norms)."""
+        vectors = [self.hidden] * (self.norms_per_layer * (2 if self.norm_bias else 1))
         if self.qk_norm:
-            n += 2 * self.dim_head
-        return n
+            vectors += [self.q_dim, self.kv_dim] if self.qk_norm_full else [self.dim_head] * 2
+        return vectors
+
+    def layer_params(self, layer: int = 0) -> int:
+        """Parameters of decoder layer ``layer`` (all alike, but the dense layers of an MoE model)."""
+        n = sum(fi * fo + (fo if bias else 0) for fi, fo, bias in self.linears(layer).values())
+        return n + sum(self.expert_tensors(layer).values()) + sum(self.norm_vectors())
 
     def params(self) -> int:
         """Exact parameter count: embedding + layers + final norm + lm_head (unless tied)."""
         table = self.vocab * self.hidden
-        return table + self.layers * self.layer_params() + self.hidden + (0 if self.tied else table)
+        final_norm = self.hidden * (2 if self.norm_bias else 1)
+        layers = sum(self.layer_params(layer) for layer in range(self.layers))
+        return table + self.positions * self.hidden + layers + final_norm + (0 if self.tied else table)
 
     def with_layers(self, layers: int) -> "ModelShape":
         """The same width with another depth."""
@@ -124,12 +195,9 @@ class ModelShape:
         if getattr(config, "hidden_size", None) is None and text is not None:
             config = types.SimpleNamespace(**text) if isinstance(text, dict) else text
         model_type = str(getattr(config, "model_type", "") or "")
-        for moe in ("num_local_experts", "num_experts", "n_routed_experts"):
-            if getattr(config, moe, None):
-                raise ValueError(
-                    f"config of model_type={model_type!r} has {moe}={getattr(config, moe)}: mixture-of-experts "
-                    "models are not modelled by the memory planner (nor supported by megatrain yet)."
-                )
+        if model_type == "gpt2":
+            return cls._from_gpt2(config, name)
+        moe = _moe_fields(config, model_type)
         required = {
             "hidden": "hidden_size",
             "intermediate": "intermediate_size",
@@ -151,24 +219,81 @@ class ModelShape:
                 "causal LM (Llama, Mistral, Qwen2/3, Gemma) or use a preset."
             )
         kv = getattr(config, "num_key_value_heads", None) or values["heads"]
-        tied_default = model_type.startswith("gemma")  # transformers' class defaults
         attn_bias = bool(getattr(config, "attention_bias", False))
-        qwen2 = model_type.startswith("qwen2")
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        o_bias = attn_bias
+        if model_type == "qwen2":
+            attn_bias, o_bias = True, False
+        elif model_type == "qwen2_moe":
+            attn_bias, o_bias = bool(getattr(config, "qkv_bias", True)), False
+        elif model_type == "starcoder2":
+            attn_bias = o_bias = mlp_bias = bool(getattr(config, "use_bias", True))
         head_dim = getattr(config, "head_dim", None)
         if head_dim is not None and head_dim * values["heads"] == values["hidden"]:
             head_dim = None  # the default; keeps presets and configs comparable
+        qk_norm = model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text", "olmo2", "olmoe") or (
+            model_type == "cohere" and bool(getattr(config, "use_qk_norm", False)))
         return cls(
             **values,
             kv_heads=kv,
-            tied=bool(getattr(config, "tie_word_embeddings", tied_default)),
+            tied=bool(getattr(config, "tie_word_embeddings", model_type in _TIED_BY_DEFAULT)),
             head_dim=head_dim,
-            attention_bias=attn_bias or qwen2,
-            o_proj_bias=attn_bias and not qwen2,
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "gemma3", "gemma3_text"),
-            norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text") else 2,
+            attention_bias=attn_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=mlp_bias,
+            qk_norm=qk_norm,
+            qk_norm_full=model_type in _FULL_QK_NORM,
+            norms_per_layer={"gemma2": 4, "gemma3": 4, "gemma3_text": 4, "cohere": 1}.get(model_type, 2),
+            norm_bias=model_type == "starcoder2",
+            fused_qkv=model_type == "phi3",
+            fused_gate_up=model_type == "phi3",
+            gated_mlp=model_type != "starcoder2",
+            **moe,
             name=name or str(getattr(config, "_name_or_path", "") or model_type),
         )
+
+
+    @classmethod
+    def _from_gpt2(cls, config: Any, name: str) -> "ModelShape":
+        """GPT-2: fused ``c_attn`` and every linear with a bias, a plain MLP of width ``n_inner``
+        (default 4 x ``n_embd``), LayerNorms with biases, learned positions, tied head."""
+        def get(key: str) -> Any:
+            value = getattr(config, key, None)
+            if value is None:
+                raise ValueError(f"GPT-2 config lacks {key!r}; pass a GPT2Config's config.json.")
+            return value
+
+        hidden = get("n_embd")
+        return cls(hidden=hidden, intermediate=getattr(config, "n_inner", None) or 4 * hidden, layers=get("n_layer"),
+                   heads=get("n_head"), kv_heads=get("n_head"), vocab=get("vocab_size"),
+                   tied=bool(getattr(config, "tie_word_embeddings", True)), attention_bias=True, o_proj_bias=True,
+                   mlp_bias=True, fused_qkv=True, gated_mlp=False, norm_bias=True, positions=get("n_positions"),
+                   name=name or str(getattr(config, "_name_or_path", "") or "gpt2"))
+
+
+def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
+    """The mixture-of-experts fields of a config (none for a dense one); refuses layouts not modelled."""
+    key = next((k for k in _EXPERT_KEYS if getattr(config, k, None)), None)
+    if key is None:
+        return {}
+    if model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
+        raise ValueError(
+            f"config of model_type={model_type!r} has {key}={getattr(config, key)}: the memory planner models "
+            "the experts of mixtral, olmoe, qwen2_moe and qwen3_moe only (router, fused gate_up_proj and "
+            "down_proj, Qwen2-MoE's shared expert). Fix: plan a supported family, or a dense shape of equal size."
+        )
+    layers = getattr(config, "num_hidden_layers", 0) or 0
+    dense: tuple[int, ...] = ()
+    width = getattr(config, "intermediate_size", None)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        width = getattr(config, "moe_intermediate_size", None)
+        only = set(getattr(config, "mlp_only_layers", None) or ())
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    shared = getattr(config, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    return dict(experts=getattr(config, key), expert_intermediate=width or 0,
+                experts_per_token=getattr(config, "num_experts_per_tok", 0) or 0,
+                shared_expert_intermediate=shared or 0, dense_layers=dense)
 
 
 def _preset(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, **kw) -> ModelShape:

@@ -10,6 +10,13 @@ is an input of every streamed call, so backward reaches units whose input carrie
 embedding, frozen embeddings under PEFT). Calls without grad (evaluation, ``generate()``) fetch
 and compute, keep nothing. Training calls never write a KV cache.
 
+Tensors the unit computed and its sub-modules' forward hooks received (``HookRecord.seen``: HF's
+captured router logits, which the MoE auxiliary loss differentiates) are further outputs of the
+autograd node: a hook keeps exactly the tensor the node returns, so what it kept is part of the
+graph; the backward differentiates the recomputed ones, at the same positions, with the gradients
+they received, together with the unit's output. Inputs, weights and buffers of the unit are never
+such outputs.
+
 Trainability is read at every call: a parameter whose ``requires_grad`` was turned off since
 attach (progressive freezing) gets no gradient, as in plain training; one frozen at attach cannot
 be unfrozen (it has no fp32 master) and is refused.
@@ -66,6 +73,8 @@ class Call:
     cpu_rng: torch.Tensor | None = None
     dev_rng: torch.Tensor | None = None
     hooks: HookRecord = field(default_factory=HookRecord)
+    seen_at: list[int] = field(default_factory=list)  # positions in HookRecord.seen that are node outputs
+    seen_shapes: list[tuple] = field(default_factory=list)  # (number seen, shapes of those outputs)
 
 
 def autocast_state(device_type: str) -> tuple[bool, torch.dtype, bool]:
@@ -81,16 +90,23 @@ class StreamedUnit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: "UnitRunner", call: Call, anchor: torch.Tensor, x: torch.Tensor):
         ctx.runner, ctx.call = runner, call
+        ctx.set_materialize_grads(False)  # seen outputs nobody differentiates get no zeros
         ctx.ckpt = runner.offload_checkpoint(x)
         if ctx.ckpt is None:
             ctx.save_for_backward(x)  # the activation checkpoint of this unit
-        out = runner.compute(call, x, runner.streamer.fetch(call.unit))
+        tensors = runner.streamer.fetch(call.unit)
+        out = runner.compute(call, x, tensors)
+        seen = call.hooks.seen
+        call.hooks.seen = []
+        call.seen_at = _computed_positions(seen, (x, out, *tensors.values()), (call.args, call.kwargs))
+        call.seen_shapes = [len(seen), *[tuple(seen[i].shape) for i in call.seen_at]]
+        ctx.out_like = (out.shape, out.dtype, out.device)
         runner.streamer.prefetch(call.unit + 1)  # after the compute is queued: never delays it
-        return out, anchor.new_zeros(())
+        return (out, anchor.new_zeros(()), *[seen[i] for i in call.seen_at])
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor, grad_token: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor | None, grad_token: torch.Tensor | None, *grad_seen):
         runner = ctx.runner
         group = runner.group
         if group is not None and not group.backward_open:
@@ -108,7 +124,10 @@ class StreamedUnit(torch.autograd.Function):
                 x = runner.offload.load(ctx.ckpt)
                 runner.offload.prefetch(ctx.ckpt.prev)
                 ctx.ckpt.prev = None
-            grad_x = runner.recompute_backward(ctx.call, x, grad_out)
+            if grad_out is None:  # the output reached no loss: zero gradients, as autograd materializes
+                shape, dtype, device = ctx.out_like
+                grad_out = torch.zeros(shape, dtype=dtype, device=device)
+            grad_x = runner.recompute_backward(ctx.call, x, grad_out, grad_seen)
         except BaseException:
             runner.backward_failed()
             raise
@@ -182,7 +201,7 @@ class UnitRunner:
                 call.dev_rng = torch.cuda.get_rng_state(self.device)
         group = self.group
         anchor = group.anchor_for_call(self.anchor) if group is not None else self.anchor
-        out, token = StreamedUnit.apply(self, call, anchor, x)
+        out, token, *_ = StreamedUnit.apply(self, call, anchor, x)  # the seen outputs: kept by their hooks
         if self.offload is None:
             self.budget.note_call(x.numel() * x.element_size(), 0)  # the checkpoint this call keeps
         if group is not None and group.record(token):
@@ -208,6 +227,7 @@ class UnitRunner:
                 out = call.kernel.forward(x, tensors)
             self.stats.forward_units += 1
             return out
+        call.hooks.seen = []
         module = unit.template.bind(tensors, unit.mirror, call.hooks if hooks else None, recompute)
         try:
             with self._autocast(None):
@@ -226,7 +246,8 @@ class UnitRunner:
         self.stats.forward_units += 1
         return out
 
-    def recompute_backward(self, call: Call, x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor | None:
+    def recompute_backward(self, call: Call, x: torch.Tensor, grad_out: torch.Tensor,
+                           grad_seen: tuple = ()) -> torch.Tensor | None:
         unit = self.units[call.unit]
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=call.cpu_rng is not None, device_type=self.device.type):
@@ -253,11 +274,14 @@ class UnitRunner:
                 x_in = x.detach().requires_grad_(x_grad)
                 with torch.enable_grad(), self._autocast(call.autocast):
                     out = self.compute(call, x_in, tensors, recompute=True)
+                outputs, seeds = [out], [grad_out]
+                if call.seen_at:
+                    outputs, seeds = _with_seen(unit.name, call, outputs, seeds, grad_seen)
                 if call.unit > 0:
                     self.streamer.prefetch(call.unit - 1)  # backward order; overlaps this unit's backward
                 self.stats.forward_units -= 1  # a recompute is not a forward
                 inputs = ([x_in] if x_grad else []) + leaves
-                grads = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+                grads = torch.autograd.grad(outputs, inputs, seeds, allow_unused=True)
         grad_x = grads[0] if x_grad else None
         if leaves:
             self.grads.submit(call.unit, trained, list(grads[1 if x_grad else 0 :]))
@@ -321,3 +345,37 @@ def _check_unfrozen(unit: Unit) -> None:
     for e in unit.frozen:
         if e.tensor.requires_grad:
             raise unfrozen_error(unit.name, e.name)
+
+
+
+def _computed_positions(seen: list[torch.Tensor], own: tuple, side: tuple) -> list[int]:
+    """Positions of the tensors in ``seen`` that the unit computed: not its input or output (already
+    the node's), weights or buffers (``own``), nor a side argument, nor a view of any of these."""
+    external = {id(t) for t in own}
+    for value in side:
+        items = value.values() if isinstance(value, dict) else value
+        for item in items:
+            for t in (item if isinstance(item, (tuple, list)) else (item,)):
+                if isinstance(t, torch.Tensor):
+                    external.add(id(t))
+    return [i for i, t in enumerate(seen)
+            if id(t) not in external and (t._base is None or id(t._base) not in external)]
+
+
+def _with_seen(unit_name: str, call: Call, outputs: list, seeds: list, grad_seen: tuple) -> tuple[list, list]:
+    """The recompute's seen tensors that received a gradient, added to what ``autograd.grad`` runs from."""
+    seen = call.hooks.seen
+    call.hooks.seen = []
+    got = [len(seen), *[tuple(seen[i].shape) for i in call.seen_at if i < len(seen)]]
+    if got != call.seen_shapes:
+        raise RuntimeError(
+            f"megatrain: the recompute of streamed unit {unit_name} passed other tensors to its sub-modules' "
+            f"forward hooks than its forward did (count, shapes: {got} vs {call.seen_shapes}): the unit's "
+            "forward is not deterministic, and the gradients of what the hooks kept cannot be matched."
+        )
+    for i, grad in zip(call.seen_at, grad_seen):
+        t = seen[i]
+        if grad is not None and t.requires_grad:
+            outputs.append(t)
+            seeds.append(grad)
+    return outputs, seeds

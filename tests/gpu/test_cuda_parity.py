@@ -77,7 +77,7 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3", "cohere", "mixtral", "qwen3_moe"])
 def test_bf16_parity(tmp_path, family):
     ref = tiny_model(family, **SHAPE)
     init = state_of(ref)
