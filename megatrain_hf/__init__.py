@@ -20,6 +20,8 @@ _LAZY = {
     "MegaTrainPlugin": "megatrain_hf.integrations.trainer",
     "enable": "megatrain_hf.integrations.trainer",
     "disable": "megatrain_hf.integrations.trainer",
+    "init": "megatrain_hf.integrations.trainer",
+    "Trainer": "megatrain_hf.integrations.trainer",
     "MegaTrainAccelerator": "megatrain_hf.integrations.accelerate",
     "HostAdamW": "megatrain_hf.optim.host_adamw",
     "register_family": "megatrain_hf.hf.families",
