@@ -179,8 +179,8 @@ def _bind(model: nn.Module, deferred: DeferredWeights) -> None:
             missing.append(names[pid][0])
         elif tensors[key].shape != tuple(p.shape):
             mismatched.append(f"{key}: checkpoint {tensors[key].shape}, model {tuple(p.shape)}")
-        else:
-            used.add(key)
+        else:  # a tied weight stored under each of its names is read once
+            used.update(c for n in names[pid] for c in _candidates(n, prefix) if c in tensors)
             torch.utils.swap_tensors(p, deferred.placeholder(key, tensors[key], p.requires_grad))
     for mod_name, module in model.named_modules(remove_duplicate=False):
         for b_name, buf in module._buffers.items():
