@@ -11,7 +11,7 @@ from importlib import import_module
 from typing import Any
 
 from .config import MegaTrainConfig
-from .engine import Engine, attach, engine_of
+from .engine import Engine, attach, engine_of, load
 from .stats import EngineStats
 
 __version__ = "0.1.0"
@@ -20,12 +20,15 @@ _LAZY = {
     "MegaTrainPlugin": "megatrain_hf.integrations.trainer",
     "enable": "megatrain_hf.integrations.trainer",
     "disable": "megatrain_hf.integrations.trainer",
+    "init": "megatrain_hf.integrations.trainer",
+    "Trainer": "megatrain_hf.integrations.trainer",
     "MegaTrainAccelerator": "megatrain_hf.integrations.accelerate",
     "HostAdamW": "megatrain_hf.optim.host_adamw",
     "register_family": "megatrain_hf.hf.families",
+    "from_pretrained": "megatrain_hf.hf.loading",
 }
 
-__all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "__version__", *_LAZY]
+__all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "load", "__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

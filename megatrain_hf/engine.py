@@ -38,6 +38,7 @@ from .core.template import TemplateCache
 from .hf.checks import check_coverage, check_fp32, prepare_graph_call
 from .hf.families import INPUT_KWARGS, family_of, unwrap
 from .hf.install import install_model
+from .hf.loading import deferred_weights
 from .memory.budget import GpuBudget
 from .memory import host as host_memory
 from .memory.host import DEFAULT_HEADROOM_BYTES
@@ -68,9 +69,17 @@ class Engine:
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
-        self.store = HostStore(named, compute_dtype=dtype, pin=config.resolve_pin(device),
-                               embedding_units=located.embedding_units, staging=staging,
-                               frozen_in_wire_dtype=frozen_in_wire_dtype)
+        deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
+        try:
+            self.store = HostStore(named, compute_dtype=dtype, pin=config.resolve_pin(device),
+                                   embedding_units=located.embedding_units, staging=staging,
+                                   frozen_in_wire_dtype=frozen_in_wire_dtype,
+                                   sources=deferred.source if deferred is not None else None)
+        finally:
+            if deferred is not None:
+                deferred.close()
+        if deferred is not None:
+            deferred.finish(model)
         self.streams = streams if streams is not None else streams_for(device)
         self.streamer = Streamer(self.store, device, self.stats, self.streams)
         sink = GradSink
@@ -341,6 +350,20 @@ def attach(model: nn.Module, config: MegaTrainConfig | None = None, *, device: t
     dev = config.resolve_device(torch.device(device) if device is not None else None)
     return Engine(model, config, dev, config.resolve_dtype(trainer_bf16=bf16), streams=streams,
                   frozen_in_wire_dtype=frozen_in_wire_dtype)
+
+
+def load(path, config: MegaTrainConfig | None = None, *, device: torch.device | str | None = None, bf16: bool = False,
+         **model_kwargs: Any) -> tuple[nn.Module, Engine]:
+    """``(model, engine)``: the model of a ``save_pretrained`` folder, attached, its weights read from
+    the files straight into the host store (``megatrain_hf.from_pretrained`` + :func:`attach`).
+
+    For hand-written loops; with a Trainer, give it ``megatrain_hf.from_pretrained(path)`` (the
+    plugin attaches). ``model_kwargs`` (``attn_implementation``, ...) go to ``from_pretrained``.
+    """
+    from .hf.loading import from_pretrained
+
+    model = from_pretrained(path, **model_kwargs)
+    return model, attach(model, config, device=device, bf16=bf16)
 
 
 def engine_of(model: nn.Module) -> Engine | None:

@@ -16,7 +16,9 @@ Each streamed unit (embedding, decoder layer, final norm, head) owns, laid out b
 The registered ``nn.Parameter`` objects are kept (optimizers, PEFT, ``named_parameters`` keep
 working) but their data is re-pointed into these flats, each through a storage of its own
 aliasing its slice (through a NumPy view): ``save_pretrained`` treats tensors that share a
-storage as tied weights and drops or clones them. Pinning uses ``cudaHostRegister`` on ordinary
+storage as tied weights and drops or clones them. A slice is filled from the tensor, or by the
+tensor's *source* when the caller gives one (a read of a checkpoint straight into the slice: the
+weights then never exist twice). Pinning uses ``cudaHostRegister`` on ordinary
 memory: the caching host allocator would round every flat up to a power of two.
 
 Placement suffixes: ``_host`` lives in host RAM, ``_dev`` on the compute device.
@@ -28,6 +30,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -84,7 +87,9 @@ class HostStore:
     """Allocates the per-unit flats and re-points the model's tensors into them.
 
     ``units`` is a list of ``(unit_name, module)``; ``embedding_units`` the indices whose weights
-    are lookup tables. The store does not know what a model is.
+    are lookup tables; ``sources(tensor)``, if given, returns what fills the tensor's slice of its
+    flat (called with the slice, 1-D, in the flat's dtype) or None to copy the tensor into it. The
+    store does not know what a model is.
     """
 
     def __init__(
@@ -95,6 +100,7 @@ class HostStore:
         embedding_units: frozenset[int] = frozenset(),
         staging: bool = True,
         frozen_in_wire_dtype: bool = True,
+        sources: Callable[[torch.Tensor], Callable[[torch.Tensor], None] | None] | None = None,
     ) -> None:
         self.compute_dtype = compute_dtype
         self.frozen_in_wire_dtype = frozen_in_wire_dtype
@@ -109,7 +115,7 @@ class HostStore:
         self._unpin = weakref.finalize(self, _unregister, self._registered)
         self._param_home: dict[int, tuple[int, Entry]] = {}
         self._sizes = self._plan(units, embedding_units)
-        self._allocate()
+        self._allocate(sources)
         self.gates = UnitGates(self.names)
 
     # ------------------------------------------------------------------ layout
@@ -176,7 +182,7 @@ class HostStore:
         self._registered.append(flat)
         return flat
 
-    def _allocate(self) -> None:
+    def _allocate(self, sources) -> None:
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
             sizes = self._sizes[u]
@@ -193,8 +199,13 @@ class HostStore:
                 if e.owner != u or e.kind is Kind.BUFFER:
                     continue
                 flat = bufs.master_host if e.kind is Kind.TRAINABLE else bufs.frozen_host[self.frozen_storage(e.wire)]
+                region = flat[e.offset : e.offset + e.numel]
+                fill = sources(e.tensor) if sources is not None else None
                 with torch.no_grad():
-                    flat[e.offset : e.offset + e.numel].copy_(e.tensor.detach().reshape(-1))
+                    if fill is None:
+                        region.copy_(e.tensor.detach().reshape(-1))
+                    else:
+                        fill(region)
                 e.tensor.data = alias(flat, e.offset, e.shape)
             self.buffers.append(bufs)
         logger.info(

@@ -135,8 +135,10 @@ def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[i
     Returns whether to keep the host staging copy: with ``host_staging="auto"`` it is dropped when
     that is what makes the plan fit.
     """
-    # The model's current tensors are released as they move into the store.
-    current = sum(p.numel() * p.element_size() for _, m in units for p in m.parameters())
+    # The model's current tensors are released as they move into the store: count their storages
+    # (once each; a weight not read from its checkpoint yet holds one element)
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for _, m in units for p in m.parameters()}
+    current = sum(storages.values())
     available = available_host_bytes() + current
 
     def check(staging: bool) -> None:

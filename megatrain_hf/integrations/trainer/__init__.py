@@ -1,11 +1,13 @@
-"""Hugging Face ``Trainer`` integration: ``MegaTrainPlugin``, ``enable()`` / ``disable()``.
+"""Hugging Face ``Trainer`` integration: ``MegaTrainPlugin``, ``enable()`` / ``disable()``, ``init()`` / ``Trainer``.
 
 ``install.py`` wraps ``Trainer.__init__`` (on first use), ``plugin.py`` is the callback,
 ``overrides.py`` the per-instance overrides, ``layer_major.py`` the accumulation driver,
-``checkpoints.py`` the optimizer state and atomic checkpoint folders.
+``checkpoints.py`` the optimizer state and atomic checkpoint folders, ``entry.py`` the two-name
+entry (``init()`` and the ``Trainer`` subclass).
 """
 
+from .entry import Trainer, init
 from .install import disable, enable, install, is_enabled, uninstall
 from .plugin import MegaTrainPlugin
 
-__all__ = ["MegaTrainPlugin", "disable", "enable", "install", "is_enabled", "uninstall"]
+__all__ = ["MegaTrainPlugin", "Trainer", "disable", "enable", "init", "install", "is_enabled", "uninstall"]

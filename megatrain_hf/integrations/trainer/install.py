@@ -119,3 +119,8 @@ def disable() -> None:
 
 def is_enabled() -> bool:
     return _enabled_config is not None
+
+
+def enabled_config() -> MegaTrainConfig | None:
+    """The config of ``enable()`` / ``init()`` while enabled, else None."""
+    return _enabled_config
