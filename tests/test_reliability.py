@@ -71,7 +71,7 @@ def test_sharded_optimizer_checkpoint_and_save_total_limit(tmp_path):
     assert not (ckpt / "optimizer.pt").exists()
     optimizer = trainer.optimizer.optimizer
     shards = sorted(p.name for p in (ckpt / OPTIMIZER_DIR).iterdir())
-    assert shards == [f"unit-{u:05d}.safetensors" for u in optimizer._plan]
+    assert shards == [f"unit-{u:05d}.safetensors" for u in optimizer.units]
     from safetensors import safe_open
 
     with safe_open(str(ckpt / OPTIMIZER_DIR / shards[1]), framework="pt") as f:
@@ -111,8 +111,8 @@ def test_sharded_checkpoint_with_lora(tmp_path):
     trainer, full_losses = train(full, training_args(tmp_path / "run", **args), callbacks=[MegaTrainPlugin()])
     folder = tmp_path / "run" / "checkpoint-6" / OPTIMIZER_DIR
     optimizer = trainer.optimizer.optimizer
-    assert sorted(p.name for p in folder.iterdir()) == [f"unit-{u:05d}.safetensors" for u in optimizer._plan]
-    assert 0 not in optimizer._plan  # the embedding is frozen
+    assert sorted(p.name for p in folder.iterdir()) == [f"unit-{u:05d}.safetensors" for u in optimizer.units]
+    assert 0 not in optimizer.units  # the embedding is frozen
     expected, converted = optimizer.state_dict(), to_torch_state_dict(str(folder))
     assert converted["param_groups"] == expected["param_groups"]
     for i, s in expected["state"].items():

@@ -190,8 +190,7 @@ def test_reference_model_host_bytes_and_device_residency(tmp_path):
     fetch = engine.streamer.fetch
 
     def watched(u):
-        resident = {engine.streamer._resident[0]} if engine.streamer._resident else set()
-        seen.append(len(resident | set(engine.streamer._inflight)))
+        seen.append(len(engine.streamer.device_units()))
         return fetch(u)
 
     engine.streamer.fetch = watched

@@ -151,6 +151,10 @@ class Streamer:
             after.synchronize()  # a no-op when query() said done; otherwise only past the cap
             self._stalled_s += before.elapsed_time(after) / 1e3
 
+    def device_units(self) -> set[int]:
+        """Units whose weights are on the compute device now: the resident one and those in flight."""
+        return ({self._resident[0]} if self._resident is not None else set()) | set(self._inflight)
+
     def drop_prefetched(self) -> None:
         """Forget uploads not consumed yet and the resident unit (end of a pass, an aborted pass)."""
         self._inflight.clear()

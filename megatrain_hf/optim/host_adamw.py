@@ -98,6 +98,11 @@ class HostAdamW(torch.optim.Optimizer):
         defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "maximize")}
         return cls(groups, store, **defaults, **kwargs)
 
+    @property
+    def units(self) -> list[int]:
+        """The units this optimizer updates (those holding its parameters), in update order."""
+        return list(self._plan)
+
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_plan", None) is not None:
             raise RuntimeError("HostAdamW does not accept new parameter groups after construction")
