@@ -18,7 +18,8 @@ demo: install
 test: install
 	$(PY) -m pytest -m "not gpu" -q -rs
 
-# the same without the tests marked `slow` (> ~30 s each on a 2-core CPU): a quick check while editing
+# the same without the tests marked `slow` (> ~20 s each on a 2-core CPU, or training runs in subprocesses):
+# a quick check while editing
 test-fast: install
 	$(PY) -m pytest -m "not gpu and not slow" -q -rs
 

@@ -52,6 +52,7 @@ def bench(tmp_path_factory):
     return rc, out, report
 
 
+@pytest.mark.slow
 def test_exit_code_and_files(bench):
     rc, out, report = bench
     assert rc == 0
@@ -67,6 +68,7 @@ def test_exit_code_and_files(bench):
     assert "PaLM" in md.split("| system |")[0]  # the convention is stated above the table
 
 
+@pytest.mark.slow
 def test_plain_ran_and_measured(bench):
     _, _, report = bench
     plain = report["results"]["plain"]
@@ -88,6 +90,7 @@ def test_plain_ran_and_measured(bench):
     assert all(0 < v["rss_gib"] <= v["peak_rss_gib"] for v in phases.values())
 
 
+@pytest.mark.slow
 def test_deepspeed_reported_unavailable_without_numbers(bench):
     _, out, report = bench
     ds = report["results"]["deepspeed"]
@@ -102,6 +105,7 @@ def test_deepspeed_reported_unavailable_without_numbers(bench):
     assert zero["reduce_bucket_size"] == PRESETS["tiny"].hidden ** 2
 
 
+@pytest.mark.slow
 def test_megatrain_ran_and_matches_plain_losses(bench):
     reason = _megatrain_importable()
     if reason:
@@ -336,6 +340,7 @@ def test_cli_rejects_unknown_system_and_mismatched_merge(tmp_path):
         merged_results(tmp_path, {"seq_len": 2, "shape": {"hidden": 16, "tied": False}}, ["plain"])
 
 
+@pytest.mark.slow
 def test_depth_scaling_report_from_real_runs(tmp_path, bench, capsys):
     """Two megatrain runs of the tiny model at 2 and 4 layers (CPU), then the scaling report: a
     row per depth, layer-tokens/s from the step times, spreads against the issue's bounds."""

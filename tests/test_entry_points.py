@@ -24,6 +24,7 @@ SCRIPT = ROOT / "tests" / "scripts" / "train_tiny.py"
 ATOL = 1e-6
 
 
+@pytest.mark.slow
 def test_enable_disable(tmp_path):
     ref = tiny_model("mistral")
     _, ref_losses = train(ref, training_args(tmp_path / "ref"))
@@ -98,6 +99,7 @@ def plain_script_run(tmp_path_factory):
     return result
 
 
+@pytest.mark.slow
 def test_run_module(tmp_path, plain_script_run):
     _run([sys.executable, "-m", "megatrain_hf.run", str(SCRIPT), "--out", "r.json", "--output_dir", "o"], tmp_path)
     result = _script_result(tmp_path, "r.json")
@@ -117,6 +119,7 @@ def test_a_cpu_config_is_shipped():  # and so test_megatrain_launch launches at 
     assert "megatrain_cpu.yaml" in [p.name for p in _cpu_configs()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", _cpu_configs(), ids=lambda p: p.name)
 def test_megatrain_launch(tmp_path, plain_script_run, config):
     cmd = [sys.executable, "-m", "megatrain_hf.cli", "launch", "--config_file", str(config)]
@@ -126,6 +129,7 @@ def test_megatrain_launch(tmp_path, plain_script_run, config):
     assert_close_losses(plain_script_run["losses"], result["losses"], ATOL)
 
 
+@pytest.mark.slow
 def test_accelerate_launch_module(tmp_path, plain_script_run):
     config = tmp_path / "accelerate_cpu.yaml"
     import yaml

@@ -53,6 +53,7 @@ def test_every_example_script_has_a_smoke_run():
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(SMOKE_RUNS))
 def test_example_smoke(name, tmp_path):
     script = name.split()[0]
@@ -99,6 +100,7 @@ def _check_demo(out: Path, stdout: str) -> None:
 OUTPUT_CHECKS = {"demo.py": _check_demo}  # script -> check(output_dir, stdout), after its smoke run
 
 
+@pytest.mark.slow
 def test_demo_time_limit_stops_training_with_a_final_evaluation(tmp_path):
     out = tmp_path / "out"
     # a 1 s limit has passed by the first step: training stops there, evaluates, and the demo still reports
@@ -140,6 +142,7 @@ def test_notebooks_are_stored_without_outputs():
         assert not dirty, f"{path.name}: code cells {dirty} have stored outputs; clear them before committing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(p.name for p in NOTEBOOKS.glob("*.ipynb")))
 def test_notebook_runs(name, tmp_path, monkeypatch):
     nbclient, nbformat = _notebook_tools()

@@ -271,6 +271,7 @@ print("DONE", flush=True)
 '''
 
 
+@pytest.mark.slow
 def test_sigkill_during_save_keeps_previous_checkpoint_resumable(tmp_path):
     script = tmp_path / "train_and_save.py"
     script.write_text(_KILL_SCRIPT)
@@ -571,6 +572,7 @@ def test_soak_500_steps_memory_and_threads_flat(tmp_path):
     print(f"soak: 500 steps in {elapsed:.1f} s; RSS MiB by step {mib}")
 
 
+@pytest.mark.slow
 def test_soak_script_smoke(tmp_path):
     """scripts/gpu_soak.py (the H200 soak of the reliability issue) runs and judges flatness (CPU, tiny)."""
     out = tmp_path / "soak.json"

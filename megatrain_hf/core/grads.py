@@ -266,10 +266,14 @@ class GradSink:
         return (start, done), norms_host, sums
 
     def flush_foreign(self) -> None:
-        """Accumulate tied-weight contributions whose owner did not run in this backward."""
+        """Accumulate tied-weight contributions whose owner did not run in this backward: summed
+        first, then accumulated once, the tensor hooks run on that sum (the pass's whole gradient)."""
         pending, self._foreign = self._foreign, {}
         for owner, items in pending.items():
-            for e, g in items:
+            for e, g in _merge_duplicates(items):
+                if has_tensor_hooks(e.tensor):
+                    self._accumulate_hooked(e, g)
+                    continue
                 self._count(g)
                 self.store.accumulate_grad(e, g)
             self.norms[owner] = None

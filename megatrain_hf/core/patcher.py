@@ -27,7 +27,7 @@ _MISSING = object()
 @dataclass
 class _ObjectPatches:
     attrs: dict[str, Any] = field(default_factory=dict)  # name -> value before the first patch (or _MISSING)
-    items: list[tuple[str, Any, Any]] = field(default_factory=list)  # (dict attribute, key, value before)
+    items: list[tuple[str, Any, Any]] = field(default_factory=list)  # (dict attribute, key, value before the first)
     hooks: list[Any] = field(default_factory=list)  # RemovableHandle
 
 
@@ -59,7 +59,9 @@ class Patcher:
         """``getattr(obj, table)[key] = value`` (e.g. a module's ``_buffers``), until :meth:`undo`."""
         mapping = getattr(obj, table)
         old = mapping[key]
-        self._of(obj).items.append((table, key, old))
+        items = self._of(obj).items
+        if not any(t == table and k == key for t, k, _ in items):  # a pickle holds the value before the first
+            items.append((table, key, old))
         mapping[key] = value
         self._undo.append(lambda: mapping.__setitem__(key, old))
 

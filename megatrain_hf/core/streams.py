@@ -56,10 +56,10 @@ class CudaStreams:
 
 
 class _EmulatedEvent:
-    """Completes ``latency_s`` after it is recorded (0: at once)."""
+    """Completes at ``done_at`` (``time.perf_counter()`` seconds)."""
 
-    def __init__(self, latency_s: float) -> None:
-        self._done_at = time.perf_counter() + latency_s
+    def __init__(self, done_at: float) -> None:
+        self._done_at = done_at
 
     def query(self) -> bool:
         return time.perf_counter() >= self._done_at
@@ -74,27 +74,39 @@ class _EmulatedEvent:
 
 
 class _EmulatedStream:
+    """Work runs at once, in program order, so every dependency holds already; what is emulated is
+    when the stream's events complete: ``latency_s`` after they are recorded, and never before an
+    event the stream was made to wait for (a compute stream's event recorded after a wait for a
+    late upload completes with it, so the stall measured between two events is the wait's)."""
+
+    def __init__(self, latency_s: float) -> None:
+        self.latency_s = latency_s
+        self._done_at = 0.0  # when the work given to the stream so far completes
+
     def wait_event(self, event: Any) -> None:
-        pass  # work runs at once, in program order: the dependency holds already
+        self._done_at = max(self._done_at, event._done_at)
 
     def wait_stream(self, stream: Any) -> None:
-        pass
+        self._done_at = max(self._done_at, stream._done_at)
 
     def synchronize(self) -> None:
-        pass
+        wait = self._done_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
 
 
 class EmulatedStreams:
-    """:class:`CudaStreams`' calls on the CPU: copies run at once; events complete ``latency_s`` late,
-    so code that waits for a transfer before reading its result is exercised."""
+    """:class:`CudaStreams`' calls on the CPU: copies run at once; events of the streams it creates
+    (the transfer streams) complete ``latency_s`` late, so code that waits for a transfer before
+    reading its result is exercised. The compute stream (``current()``) has no latency of its own."""
 
     def __init__(self, latency_s: float = 0.0) -> None:
         self.device = torch.device("cpu")
         self.latency_s = latency_s
-        self._stream = _EmulatedStream()
+        self._stream = _EmulatedStream(0.0)
 
     def new_stream(self) -> _EmulatedStream:
-        return _EmulatedStream()
+        return _EmulatedStream(self.latency_s)
 
     def current(self) -> _EmulatedStream:
         return self._stream
@@ -103,7 +115,8 @@ class EmulatedStreams:
         return contextlib.nullcontext()
 
     def record(self, stream, *, timing: bool = False, blocking: bool = False) -> _EmulatedEvent:
-        return _EmulatedEvent(self.latency_s)
+        stream._done_at = max(stream._done_at, time.perf_counter() + stream.latency_s)
+        return _EmulatedEvent(stream._done_at)
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
