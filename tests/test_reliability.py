@@ -449,29 +449,14 @@ def test_dead_update_thread_does_not_hang(monkeypatch):
     engine.detach()
 
 
-def test_gradient_queue_back_pressure_waits_and_never_hangs():
-    """The CUDA gradient pipeline queues at most MAX_PENDING_SENDS units: a send waits until the
-    worker finished one, and a worker that died raises instead of blocking forever."""
+def test_dead_gradient_worker_raises_instead_of_blocking():
+    """A send waiting for room in the gradient queue raises when the worker died with units still
+    queued, instead of blocking forever (the bound itself: tests/test_core_grads.py)."""
     from megatrain_hf.core.grads import MAX_PENDING_SENDS
 
     engine = attach(tiny_model("llama"), device="cpu")
     sink = engine.grads
     sink._pending = MAX_PENDING_SENDS
-
-    def finish_one():
-        time.sleep(0.2)
-        with sink._cond:
-            sink._pending -= 1
-            sink._cond.notify_all()
-
-    helper = threading.Thread(target=finish_one)
-    started = time.perf_counter()
-    helper.start()
-    with deadline(20):
-        sink._wait_pending(MAX_PENDING_SENDS - 1)  # returns once the worker took one off the queue
-    assert time.perf_counter() - started >= 0.15 and sink._pending == MAX_PENDING_SENDS - 1
-    helper.join()
-
     dead = threading.Thread(target=lambda: None)
     dead.start()
     dead.join()
