@@ -33,7 +33,6 @@ def test_native_matches_torch_fused_adamw(clip):
     ref_opt = torch.optim.AdamW(_groups(models[0]), lr=3e-3, betas=(0.9, 0.95), eps=1e-7, fused=True)
     opt = HostAdamW(_groups(models[1]), store=engine.store, lr=3e-3, betas=(0.9, 0.95), eps=1e-7, kernel="native")
     assert opt.kernel == "native"
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     for step in range(5):
         grads = {}
         torch.manual_seed(step)
