@@ -68,10 +68,12 @@ ARGS[baselines-16k-more]="$B16 --systems deepspeed_offloadpp,deepspeed_zenflow,f
 ARGS[baselines-4x16k]="$B64 --systems megatrain,deepspeed,plain --timeout 300"
 ARGS[baselines-4x16k-more]="$B64 --systems deepspeed_zero2,deepspeed_offloadpp,fsdp2 --timeout 300"
 ARGS[1.36b]="--model llama-1.36b --seq-len 2048 --micro-batch 8 --grad-accum 4 --warmup-steps 4 --steps 6 --systems megatrain,plain --timeout 200"
+# soak: 500 steps at 8K tokens each; every step records host RSS and CUDA memory (flat or not)
+ARGS[soak]="--model llama-1.36b --seq-len 4096 --micro-batch 2 --grad-accum 1 --warmup-steps 5 --steps 500 --systems megatrain --timeout 540"
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
 EST=([tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
-     [1.36b]=115 [7b]=165 [probe]=20)
-ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b probe"
+     [1.36b]=115 [7b]=165 [soak]=330 [probe]=20)
+ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak probe"
 
 DRY=${DRY_RUN:-}
 [ "$DRY" = 0 ] && DRY=
@@ -156,7 +158,7 @@ for stage in "${stages[@]}"; do
     probe)
       run "$R/probe.log" timeout "$(left 120)" python3 scripts/host_probe.py
       rc=$?; [ -z "$DRY" ] && summary "probe rc=$rc $(tail -12 "$R/probe.log")";;
-    baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b)
+    baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b|soak)
       bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda";;
     *)
       var="BENCH_ARGS_${stage}" cfg="CONFIG_${stage}"

@@ -77,6 +77,7 @@ def test_plain_ran_and_measured(bench):
     assert plain["measured_steps"] == 2 and len(plain["steps"]) == 3  # warmup step kept raw, not measured
     assert plain["step_times_s"] == [s["total_s"] for s in plain["steps"][1:]]
     assert plain["warmup_step_times_s"] == [plain["steps"][0]["total_s"]]
+    assert all(s["host_rss_gib"] > 0.05 and "gpu_allocated_gib" not in s for s in plain["steps"])  # per step
     assert plain["trend"]["measured_steps"] == 2 and plain["trend"]["assessed"] is False
     tokens = report["workload"]["tokens_per_step"]
     assert plain["tflops"] == pytest.approx(model_flops_per_token(PRESETS["tiny"], 32) * tokens
