@@ -45,6 +45,7 @@ from ..core.offload import Checkpoint
 from ..core.store import unfrozen_error
 from ..core.streamer import Streamer
 from ..core.template import HookRecord, Mirror, Template
+from .tiling import tileable_mlp, tiled
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +161,8 @@ class UnitRunner:
         self.group = None  # the layer-major Group in progress (runtime/layer_major.py)
         self._chains: dict[int, weakref.ref] = {}  # micro-batch -> its last offloaded checkpoint
         self._end_queued = None  # graph-task id of the pass whose end callback is queued
+        # (tokens, hidden, intermediate width) -> tokens per MLP tile or None; set by the engine (None: never tiled)
+        self.tile_policy: Callable[[int, int, int], int | None] | None = None
 
     # ------------------------------------------------------------------ calls
     def call(self, u: int, args: tuple, kwargs: dict, kernel: Any = None) -> torch.Tensor:
@@ -230,7 +233,8 @@ class UnitRunner:
         call.hooks.seen = []
         module = unit.template.bind(tensors, unit.mirror, call.hooks if hooks else None, recompute)
         try:
-            with self._autocast(None):
+            with self._autocast(None), tiled(module, self._tile_for(module, x)) as tiling:
+                self.stats.tiled_calls += tiling
                 # forward, not __call__: the real unit's __call__ already ran its own hooks
                 if call.input_key is None:
                     out = module.forward(x, *call.args, **call.kwargs)
@@ -245,6 +249,16 @@ class UnitRunner:
             )
         self.stats.forward_units += 1
         return out
+
+    def _tile_for(self, module: nn.Module, x: torch.Tensor) -> int | None:
+        """Tokens per MLP tile for a call of ``module`` on ``x`` (None: untiled), by the tile policy."""
+        if self.tile_policy is None or x.dim() < 2 or not x.is_floating_point():
+            return None
+        mlp = tileable_mlp(module)
+        if mlp is None:
+            return None
+        width = max(m.out_features for m in mlp.modules() if isinstance(m, nn.Linear))
+        return self.tile_policy(x.numel() // x.shape[-1], x.shape[-1], width)
 
     def recompute_backward(self, call: Call, x: torch.Tensor, grad_out: torch.Tensor,
                            grad_seen: tuple = ()) -> torch.Tensor | None:
