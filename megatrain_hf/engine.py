@@ -100,6 +100,7 @@ class Engine:
         self.runner = UnitRunner(units, self.streamer, self.grads, self.stats, self.budget, device, dtype,
                                  INPUT_KWARGS, prepare_graph_call)
         self.runner.tile_policy = self._tile_policy() if config.sequence_tile_tokens is not None else None
+        self.runner.checkpoint_interval = config.checkpoint_interval
         if config.offload_checkpoints is True:
             self._start_offload()
         self._set_flops_model(model, located)

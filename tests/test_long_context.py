@@ -110,3 +110,27 @@ def test_sequence_tile_tokens_option():
     for bad in (0, -4, "big", True, 2.5):
         with pytest.raises(ValueError, match="sequence_tile_tokens"):
             MegaTrainConfig(sequence_tile_tokens=bad)
+
+
+@pytest.mark.parametrize("family,interval,offload,again", [
+    ("llama", 2, False, 3),  # chain: embedding, 4 layers, norm, head (its own kernel: kept); L0, L2, norm recomputed
+    ("llama", 3, True, 4),  # offloaded checkpoints: the kept ones come back from the host
+    ("gemma3_text", 3, False, 4),
+])
+def test_checkpoint_interval_matches_plain_trainer(family, interval, offload, again, tmp_path, monkeypatch):
+    """Checkpoints of every k-th unit only (the rest recomputed in the backward), attention dropout
+    replayed: the same losses and parameters as plain Trainer."""
+    from megatrain_hf.runtime.streamed_call import UnitRunner
+
+    calls = []
+    forward_again = UnitRunner._forward_again
+    monkeypatch.setattr(UnitRunner, "_forward_again", lambda self, call, x: calls.append(call.unit)
+                        or forward_again(self, call, x))
+    ref = tiny_model(family, num_hidden_layers=4)
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", max_steps=3))
+    model = tiny_model(family, num_hidden_layers=4)
+    plugin = MegaTrainPlugin(checkpoint_interval=interval, offload_checkpoints=offload)
+    trainer, losses = train(model, training_args(tmp_path / "mt", max_steps=3), callbacks=[plugin])
+    assert len(calls) == again * 6, calls  # per micro-batch: the inputs recomputed, 3 steps x 2 micro-batches
+    assert_close_losses(ref_losses, losses, ATOL_FP32)
+    assert_close_params(state_of(ref), state_of(model), ATOL_FP32)

@@ -76,6 +76,7 @@ class Call:
     hooks: HookRecord = field(default_factory=HookRecord)
     seen_at: list[int] = field(default_factory=list)  # positions in HookRecord.seen that are node outputs
     seen_shapes: list[tuple] = field(default_factory=list)  # (number seen, shapes of those outputs)
+    parent: Any = None  # checkpoint_interval > 1: the node whose output is this call's input (not kept)
 
 
 def autocast_state(device_type: str) -> tuple[bool, torch.dtype, bool]:
@@ -92,8 +93,9 @@ class StreamedUnit(torch.autograd.Function):
     def forward(ctx, runner: "UnitRunner", call: Call, anchor: torch.Tensor, x: torch.Tensor):
         ctx.runner, ctx.call = runner, call
         ctx.set_materialize_grads(False)  # seen outputs nobody differentiates get no zeros
-        ctx.ckpt = runner.offload_checkpoint(x)
-        if ctx.ckpt is None:
+        ctx.parent, ctx.recomputed, call.parent = call.parent, None, None  # checkpoint_interval > 1
+        ctx.ckpt = runner.offload_checkpoint(x) if ctx.parent is None else None
+        if ctx.ckpt is None and ctx.parent is None:
             ctx.save_for_backward(x)  # the activation checkpoint of this unit
         tensors = runner.streamer.fetch(call.unit)
         out = runner.compute(call, x, tensors)
@@ -119,12 +121,7 @@ class StreamedUnit(torch.autograd.Function):
             )
         runner.at_backward_end()
         try:
-            if ctx.ckpt is None:
-                (x,) = ctx.saved_tensors
-            else:  # back from the host; the micro-batch's previous checkpoint starts its way up
-                x = runner.offload.load(ctx.ckpt)
-                runner.offload.prefetch(ctx.ckpt.prev)
-                ctx.ckpt.prev = None
+            x = runner.input_of(ctx)
             if grad_out is None:  # the output reached no loss: zero gradients, as autograd materializes
                 shape, dtype, device = ctx.out_like
                 grad_out = torch.zeros(shape, dtype=dtype, device=device)
@@ -163,6 +160,8 @@ class UnitRunner:
         self._end_queued = None  # graph-task id of the pass whose end callback is queued
         # (tokens, hidden, intermediate width) -> tokens per MLP tile or None; set by the engine (None: never tiled)
         self.tile_policy: Callable[[int, int, int], int | None] | None = None
+        self.checkpoint_interval = 1  # keep the checkpoint of every k-th call of a chain (the engine sets it)
+        self._last_out: dict[int, tuple] = {}  # micro-batch -> (its last output, version, node, chain position)
 
     # ------------------------------------------------------------------ calls
     def call(self, u: int, args: tuple, kwargs: dict, kernel: Any = None) -> torch.Tensor:
@@ -191,6 +190,7 @@ class UnitRunner:
                 self.stats.count_tokens(x.numel(), seq)
                 self.budget.note_call(0, x.numel())
             self._chains.pop(self.microbatch_key(), None)  # a micro-batch's forward starts a new chain
+            self._last_out.pop(self.microbatch_key(), None)
         if not needs_graph:
             out = self.compute(call, x, self.streamer.fetch(u), hooks=False)
             self.streamer.prefetch(u + 1)
@@ -204,8 +204,10 @@ class UnitRunner:
                 call.dev_rng = torch.cuda.get_rng_state(self.device)
         group = self.group
         anchor = group.anchor_for_call(self.anchor) if group is not None else self.anchor
+        position = self._chain_position(call, x)
         out, token, *_ = StreamedUnit.apply(self, call, anchor, x)  # the seen outputs: kept by their hooks
-        if self.offload is None:
+        self._last_out[self.microbatch_key()] = (weakref.ref(out), out._version, out.grad_fn, position)
+        if self.offload is None and position == 0:
             self.budget.note_call(x.numel() * x.element_size(), 0)  # the checkpoint this call keeps
         if group is not None and group.record(token):
             self.grads.count_call(u)
@@ -302,6 +304,62 @@ class UnitRunner:
         self.stats.backward_units += 1
         return grad_x
 
+    # ------------------------------------------------------------------ checkpoint_interval
+    def _chain_position(self, call: Call, x: torch.Tensor) -> int:
+        """With ``checkpoint_interval=k``: this call's place in the micro-batch's chain of calls, each
+        fed the very output of the one before (0: it keeps its checkpoint); sets ``call.parent`` when
+        the input is not kept but recomputed from the previous call in the backward."""
+        k = self.checkpoint_interval
+        last = self._last_out.get(self.microbatch_key())
+        if k <= 1 or last is None or not x.is_floating_point() or call.kernel is not None:
+            return 0
+        ref, version, node, position = last
+        if ref() is not x or x._version != version or node is None:
+            return 0  # something between the units changed the tensor: keep this input
+        position = (position + 1) % k
+        if position:
+            call.parent = node
+        return position
+
+    def input_of(self, ctx) -> torch.Tensor:
+        """A streamed node's input in its backward: its checkpoint (saved, offloaded), or recomputed
+        from the last kept one (``checkpoint_interval``), the block's other inputs held for their own
+        backward."""
+        if ctx.recomputed is not None:
+            x, ctx.recomputed = ctx.recomputed, None
+            return x
+        if ctx.parent is None:
+            if ctx.ckpt is None:
+                return ctx.saved_tensors[0]
+            x = self.offload.load(ctx.ckpt)  # back from the host; the previous checkpoint starts up
+            self.offload.prefetch(ctx.ckpt.prev)
+            ctx.ckpt.prev = None
+            return x
+        chain, node = [ctx], ctx.parent
+        while node.parent is not None and node.recomputed is None:
+            chain.append(node)
+            node = node.parent
+        x = self.input_of(node)
+        node.recomputed = x  # its own backward comes after the block's
+        for child in reversed(chain):
+            x = self._forward_again(node.call, x)
+            child.recomputed, node = x, child
+        ctx.recomputed = None
+        return x
+
+    def _forward_again(self, call: Call, x: torch.Tensor) -> torch.Tensor:
+        """A call's forward once more (no graph), with its RNG and autocast state: its output again."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=call.cpu_rng is not None, device_type=self.device.type):
+            if call.cpu_rng is not None:
+                torch.set_rng_state(call.cpu_rng)
+                if call.dev_rng is not None:
+                    torch.cuda.set_rng_state(call.dev_rng, self.device)
+            with torch.no_grad(), self._autocast(call.autocast):
+                out = self.compute(call, x.detach(), self.streamer.fetch(call.unit), hooks=False)
+        self.stats.forward_units -= 1  # a recompute is not a forward
+        return out.requires_grad_(True) if out.is_floating_point() else out  # it came out of a streamed node
+
     # ------------------------------------------------------------------ checkpoint offload
     def microbatch_key(self) -> int:
         group = self.group
@@ -335,6 +393,7 @@ class UnitRunner:
     def backward_failed(self) -> None:
         """autograd drops queued callbacks when a backward fails: undo what the pass had started."""
         self._end_queued = None
+        self._last_out.clear()
         self.streamer.drop_prefetched()
         self.grads.drop_held()
         try:
@@ -344,6 +403,7 @@ class UnitRunner:
 
     def backward_done(self) -> None:
         self._end_queued = None
+        self._last_out.clear()  # no forward continues a chain across a backward
         self.streamer.drop_prefetched()
         started = time.perf_counter()
         self.grads.wait()  # when backward() returns, every param.grad is complete
