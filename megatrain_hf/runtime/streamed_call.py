@@ -41,10 +41,10 @@ from torch.autograd.function import once_differentiable
 
 from ..core.grads import GradSink
 from ..core.layout import Entry
-from ..core.offload import Checkpoint
 from ..core.store import unfrozen_error
 from ..core.streamer import Streamer
 from ..core.template import HookRecord, Mirror, Template
+from .checkpoints import Checkpoints
 from .tiling import tileable_mlp, tiled
 
 logger = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ class StreamedUnit(torch.autograd.Function):
         return None, None, None, grad_x
 
 
-class UnitRunner:
+class UnitRunner(Checkpoints):
     """Runs streamed calls of an engine's units (see module docstring).
 
     What a unit's call looks like is the model family's business, handed in: ``input_kwargs``, the
@@ -161,7 +161,7 @@ class UnitRunner:
         # (tokens, hidden, intermediate width) -> tokens per MLP tile or None; set by the engine (None: never tiled)
         self.tile_policy: Callable[[int, int, int], int | None] | None = None
         self.checkpoint_interval = 1  # keep the checkpoint of every k-th call of a chain (the engine sets it)
-        self._last_out: dict[int, tuple] = {}  # micro-batch -> (its last output, version, node, chain position)
+        self._last_out: dict[int, tuple] = {}  # micro-batch -> (its last output, its version, chain position)
 
     # ------------------------------------------------------------------ calls
     def call(self, u: int, args: tuple, kwargs: dict, kernel: Any = None) -> torch.Tensor:
@@ -206,7 +206,8 @@ class UnitRunner:
         anchor = group.anchor_for_call(self.anchor) if group is not None else self.anchor
         position = self._chain_position(call, x)
         out, token, *_ = StreamedUnit.apply(self, call, anchor, x)  # the seen outputs: kept by their hooks
-        self._last_out[self.microbatch_key()] = (weakref.ref(out), out._version, out.grad_fn, position)
+        if self.checkpoint_interval > 1:
+            self._last_out[self.microbatch_key()] = (weakref.ref(out), out._version, position)
         if self.offload is None and position == 0:
             self.budget.note_call(x.numel() * x.element_size(), 0)  # the checkpoint this call keeps
         if group is not None and group.record(token):
@@ -303,77 +304,6 @@ class UnitRunner:
             self.grads.submit(call.unit, trained, list(grads[1 if x_grad else 0 :]))
         self.stats.backward_units += 1
         return grad_x
-
-    # ------------------------------------------------------------------ checkpoint_interval
-    def _chain_position(self, call: Call, x: torch.Tensor) -> int:
-        """With ``checkpoint_interval=k``: this call's place in the micro-batch's chain of calls, each
-        fed the very output of the one before (0: it keeps its checkpoint); sets ``call.parent`` when
-        the input is not kept but recomputed from the previous call in the backward."""
-        k = self.checkpoint_interval
-        last = self._last_out.get(self.microbatch_key())
-        if k <= 1 or last is None or not x.is_floating_point() or call.kernel is not None:
-            return 0
-        ref, version, node, position = last
-        if ref() is not x or x._version != version or node is None:
-            return 0  # something between the units changed the tensor: keep this input
-        position = (position + 1) % k
-        if position:
-            call.parent = node
-        return position
-
-    def input_of(self, ctx) -> torch.Tensor:
-        """A streamed node's input in its backward: its checkpoint (saved, offloaded), or recomputed
-        from the last kept one (``checkpoint_interval``), the block's other inputs held for their own
-        backward."""
-        if ctx.recomputed is not None:
-            x, ctx.recomputed = ctx.recomputed, None
-            return x
-        if ctx.parent is None:
-            if ctx.ckpt is None:
-                return ctx.saved_tensors[0]
-            x = self.offload.load(ctx.ckpt)  # back from the host; the previous checkpoint starts up
-            self.offload.prefetch(ctx.ckpt.prev)
-            ctx.ckpt.prev = None
-            return x
-        chain, node = [ctx], ctx.parent
-        while node.parent is not None and node.recomputed is None:
-            chain.append(node)
-            node = node.parent
-        x = self.input_of(node)
-        node.recomputed = x  # its own backward comes after the block's
-        for child in reversed(chain):
-            x = self._forward_again(node.call, x)
-            child.recomputed, node = x, child
-        ctx.recomputed = None
-        return x
-
-    def _forward_again(self, call: Call, x: torch.Tensor) -> torch.Tensor:
-        """A call's forward once more (no graph), with its RNG and autocast state: its output again."""
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=call.cpu_rng is not None, device_type=self.device.type):
-            if call.cpu_rng is not None:
-                torch.set_rng_state(call.cpu_rng)
-                if call.dev_rng is not None:
-                    torch.cuda.set_rng_state(call.dev_rng, self.device)
-            with torch.no_grad(), self._autocast(call.autocast):
-                out = self.compute(call, x.detach(), self.streamer.fetch(call.unit), hooks=False)
-        self.stats.forward_units -= 1  # a recompute is not a forward
-        return out.requires_grad_(True) if out.is_floating_point() else out  # it came out of a streamed node
-
-    # ------------------------------------------------------------------ checkpoint offload
-    def microbatch_key(self) -> int:
-        group = self.group
-        return group.current.index if group is not None and group.current is not None else 0
-
-    def offload_checkpoint(self, x: torch.Tensor) -> Checkpoint | None:
-        """With offloaded checkpoints: ``x`` saved to the host, linked to its micro-batch's chain."""
-        if self.offload is None or not x.is_floating_point():
-            return None
-        key = self.microbatch_key()
-        last = self._chains.get(key)
-        ckpt = self.offload.save(x, last() if last is not None else None)
-        self._chains[key] = weakref.ref(ckpt)
-        return ckpt
 
     # ------------------------------------------------------------------ end of a backward pass
     def at_backward_end(self) -> None:
