@@ -211,6 +211,8 @@ class HostStore:
                     bufs.staging_host = self.allocate(bufs.n_staged, self.compute_dtype)
             for dtype, n in sizes.frozen.items():
                 bufs.frozen_host[dtype] = self.allocate(n, dtype)
+                if dtype == torch.uint8:  # quantized weights: their padding bytes too are defined
+                    bufs.frozen_host[dtype].zero_()
             for e in entries:
                 if e.owner != u or e.kind is Kind.BUFFER:
                     continue
