@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Union
 
 import torch
 
-from .hf.options import LossOptions
+from .hf.options import LossOptions, QuantOptions
 from .memory.options import MemoryOptions
 from .optim.options import OptimizerOptions
 from .runtime.options import RuntimeOptions
@@ -73,7 +73,7 @@ class EngineOptions:
 
 
 @dataclass(kw_only=True)
-class MegaTrainConfig(OptimizerOptions, MemoryOptions, LossOptions, RuntimeOptions, EngineOptions):
+class MegaTrainConfig(OptimizerOptions, MemoryOptions, QuantOptions, LossOptions, RuntimeOptions, EngineOptions):
     """Configuration of the megatrain engine.
 
     Example::

@@ -39,6 +39,7 @@ from .hf.checks import check_coverage, check_fp32, prepare_graph_call
 from .hf.families import INPUT_KWARGS, family_of, unwrap
 from .hf.install import install_model
 from .hf.loading import deferred_weights
+from .hf.quantize import quantized_weights
 from .memory.budget import GpuBudget
 from .memory import activations
 from .memory import host as host_memory
@@ -63,10 +64,12 @@ class Engine:
         located = self.family.locate(model)
         check_coverage(model, located)
         named = list(zip(located.names, located.modules))
+        schemes = quantized_weights(model, config.base_quantization)
+        quantize = (lambda p: schemes.get(id(p))) if schemes else None
         staging = config.host_staging is not False
         if config.check_host_memory:
             staging = host_memory.admit(named, located.embedding_units, dtype, config.host_staging, config.replace_adamw,
-                                        frozen_in_wire_dtype)
+                                        frozen_in_wire_dtype, quantize)
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
@@ -75,7 +78,8 @@ class Engine:
             self.store = HostStore(named, compute_dtype=dtype, pin=config.resolve_pin(device),
                                    embedding_units=located.embedding_units, staging=staging,
                                    frozen_in_wire_dtype=frozen_in_wire_dtype,
-                                   sources=deferred.source if deferred is not None else None)
+                                   sources=deferred.source if deferred is not None else None, quantize=quantize,
+                                   ranges=deferred.ranges if deferred is not None else None)
         finally:
             if deferred is not None:
                 deferred.close()

@@ -50,6 +50,7 @@ class EngineStats:
     fetches_not_ready: int = 0  # ... whose upload had not landed when the compute needed it
     update_h2d_bytes: int = 0  # optimizer state the device's share of the update moved (device_update)
     update_d2h_bytes: int = 0
+    dequantized_bytes: int = 0  # compute-dtype bytes of quantized base weights dequantized on the device
 
     def __post_init__(self) -> None:
         self._flops_model: tuple[int, int, int, int, int] | None = None

@@ -304,7 +304,7 @@ def test_largest_model_and_preset():
     assert largest_preset(125 * GiB) == "llama-7b"
     assert largest_preset(1024 * GiB) == "qwen2.5-14b"  # 70B needs ~1.2 TB in full precision
     assert largest_preset(GiB) is None
-    assert largest_preset(1024 * GiB, lora_rank=16) == "llama-70b"
+    assert largest_preset(1024 * GiB, lora_rank=16) == "mistral-large-123b"
 
 
 @pytest.mark.parametrize("options", [dict(host_staging=False), dict(host_staging=False, offload_checkpoints=True)],

@@ -43,6 +43,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
                              "with depth and micro-batches in flight, host RAM pays")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: auto)")
     parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
+    parser.add_argument("--base-quantization", choices=["none", "int8", "nf4"], default="none",
+                        help="with --lora-rank: the frozen base stored and streamed quantized "
+                             "(MegaTrainConfig.base_quantization; docs/qlora.md)")
     parser.add_argument("--host-gib", type=float, default=None,
                         help="plan against this much RAM instead of this machine's available RAM")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
@@ -65,6 +68,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
             offload_checkpoints=args.offload_checkpoints,
             loss_chunk_tokens=args.loss_chunk_tokens,
             lora_rank=args.lora_rank,
+            base_quantization=args.base_quantization,
         )
     except ValueError as exc:
         print(f"megatrain estimate: error: {exc}", file=sys.stderr)
@@ -79,6 +83,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
     options = dict(
         compute_dtype=plan.compute_dtype,
         lora_rank=args.lora_rank,
+        base_quantization=args.base_quantization,
         host_staging=args.host_staging,
         offload_tokens=plan.seq_len * plan.micro_batch * plan.micro_batches_in_flight if args.offload_checkpoints else 0,
     )
@@ -115,6 +120,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
     else:
         print(f"GPU: none visible here; the estimate above is {_gib(plan.gpu_total)} GiB")
     mode = f"LoRA r={args.lora_rank}, " if args.lora_rank is not None else ""
+    if args.base_quantization != "none":
+        mode += f"{args.base_quantization} base, "
     print(f"largest preset that fits ({mode}{plan.compute_dtype}): {preset or 'none'}")
     print(_describe(fit))
     if not fits:
@@ -128,6 +135,8 @@ def _table(plan: MemoryPlan) -> str:
     ``0.00 B``)."""
     s = plan.shape
     lora = f", LoRA r={plan.lora_rank}" if plan.lora_rank is not None else ""
+    if plan.base_quantization != "none":
+        lora += f" on a {plan.base_quantization} base"
     headline = (f"memory plan: {s.name or 'model'}  ({format_count(plan.total_params)} params, "
                 f"{format_count(plan.trainable_params)} trainable{lora}), compute {plan.compute_dtype}")
     return headline + "\n" + plan.table().split("\n", 1)[1]

@@ -11,7 +11,9 @@ Each streamed unit (embedding, decoder layer, final norm, head) owns, laid out b
   reference model): no master, no gradient, no optimizer state. Stored in the wire dtype (2 B/param
   for bf16 matrices), or in fp32 with ``frozen_in_wire_dtype=False`` (for weights that are edited in
   place, e.g. a reference synchronised with the policy; rounded to the wire dtype on the device
-  instead).
+  instead). A frozen matrix the caller asks to quantize (``quantize``) is a byte range of the
+  ``uint8`` frozen flat instead (``quant.py``), quantized as it is filled; its parameter then holds
+  a one-element NaN placeholder of its shape (the weight exists only quantized).
 
 The registered ``nn.Parameter`` objects are kept (optimizers, PEFT, ``named_parameters`` keep
 working) but their data is re-pointed into these flats, each through a storage of its own
@@ -35,6 +37,7 @@ from typing import Callable
 import torch
 
 from .layout import Entry, Kind, TensorSpec, UnitSizes, lay_out, wire_dtype
+from .quant import quant_format, quantize_into, quantize_tensor
 from .readiness import UnitGates
 
 logger = logging.getLogger(__name__)
@@ -88,8 +91,10 @@ class HostStore:
 
     ``units`` is a list of ``(unit_name, module)``; ``embedding_units`` the indices whose weights
     are lookup tables; ``sources(tensor)``, if given, returns what fills the tensor's slice of its
-    flat (called with the slice, 1-D, in the flat's dtype) or None to copy the tensor into it. The
-    store does not know what a model is.
+    flat (called with the slice, 1-D, in the flat's dtype) or None to copy the tensor into it;
+    ``quantize(tensor)`` the scheme a frozen tensor is stored in (None: as is), and ``ranges(tensor)``
+    what reads its elements ``[first, first + n)`` into an fp32 buffer (a checkpoint read) or None
+    (read the tensor). The store does not know what a model is.
     """
 
     def __init__(
@@ -101,6 +106,8 @@ class HostStore:
         staging: bool = True,
         frozen_in_wire_dtype: bool = True,
         sources: Callable[[torch.Tensor], Callable[[torch.Tensor], None] | None] | None = None,
+        quantize: Callable[[torch.Tensor], str | None] | None = None,
+        ranges: Callable[[torch.Tensor], Callable[[int, int, torch.Tensor], None] | None] | None = None,
     ) -> None:
         self.compute_dtype = compute_dtype
         self.frozen_in_wire_dtype = frozen_in_wire_dtype
@@ -114,8 +121,9 @@ class HostStore:
         # so their memory cannot return to malloc (and be registered again) while still pinned.
         self._unpin = weakref.finalize(self, _unregister, self._registered)
         self._param_home: dict[int, tuple[int, Entry]] = {}
+        self._quantize = quantize
         self._sizes = self._plan(units, embedding_units)
-        self._allocate(sources)
+        self._allocate(sources, ranges)
         self.gates = UnitGates(self.names)
 
     # ------------------------------------------------------------------ layout
@@ -142,9 +150,17 @@ class HostStore:
                     )
                 kind = Kind.TRAINABLE if param.requires_grad else Kind.FROZEN
                 wire = wire_dtype(param.dtype, param.ndim, self.compute_dtype, embedding=u in embedding_units, name=name)
-                entry = Entry(name, param, kind, u, wire, 0, param.shape)
+                scheme = self._quantize(param) if kind is Kind.FROZEN and self._quantize is not None else None
+                fmt = quant_format(scheme, tuple(param.shape), wire) if scheme is not None else None
+                if scheme is not None and fmt is None:
+                    logger.info("megatrain: %s.%s %s is kept unquantized (%s takes matrices of a whole "
+                                "number of blocks)", unit_name, name, tuple(param.shape), scheme)
+                entry = Entry(name, param, kind, u, wire if fmt is None else torch.uint8, 0, param.shape, fmt)
                 self._param_home[id(param)] = (u, entry)
                 entries.append(entry)
+                if fmt is not None:
+                    fresh.append((entry, TensorSpec(fmt.nbytes, False, torch.uint8)))
+                    continue
                 stored = wire if kind is Kind.TRAINABLE else self.frozen_storage(wire)
                 fresh.append((entry, TensorSpec(param.numel(), kind is Kind.TRAINABLE, stored)))
             sizes = lay_out([spec for _, spec in fresh])
@@ -182,7 +198,7 @@ class HostStore:
         self._registered.append(flat)
         return flat
 
-    def _allocate(self, sources) -> None:
+    def _allocate(self, sources, ranges) -> None:
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
             sizes = self._sizes[u]
@@ -195,11 +211,22 @@ class HostStore:
                     bufs.staging_host = self.allocate(bufs.n_staged, self.compute_dtype)
             for dtype, n in sizes.frozen.items():
                 bufs.frozen_host[dtype] = self.allocate(n, dtype)
+                if dtype == torch.uint8:  # quantized weights: their padding bytes too are defined
+                    bufs.frozen_host[dtype].zero_()
             for e in entries:
                 if e.owner != u or e.kind is Kind.BUFFER:
                     continue
                 flat = bufs.master_host if e.kind is Kind.TRAINABLE else bufs.frozen_host[self.frozen_storage(e.wire)]
                 region = flat[e.offset : e.offset + e.numel]
+                if e.quant is not None:
+                    read = ranges(e.tensor) if ranges is not None else None
+                    with torch.no_grad():
+                        if read is None:
+                            quantize_tensor(e.quant, e.tensor, region)
+                        else:
+                            quantize_into(e.quant, read, region)
+                    e.tensor.data = torch.full((), float("nan"), dtype=e.tensor.dtype).expand(e.shape)
+                    continue
                 fill = sources(e.tensor) if sources is not None else None
                 with torch.no_grad():
                     if fill is None:

@@ -39,6 +39,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..core.patcher import Patcher
 from .install import wrapper_chain
+from .quantize import checkpoint_ranges
 from .shards import ShardReader, Stored, index_folder
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,16 @@ class DeferredWeights:
         if hit is None or tuple(tensor.shape) != hit[1].shape:
             return None
         return hit[0], hit[1]
+
+    def stored_of(self, tensor: torch.Tensor) -> Stored | None:
+        """Where ``tensor`` is stored in the checkpoint, if it still holds its placeholder."""
+        hit = self.key_of(tensor)
+        return hit[1] if hit is not None else None
+
+    def ranges(self, tensor: torch.Tensor) -> Callable[[int, int, torch.Tensor], None] | None:
+        """What reads ranges of ``tensor``'s elements from the checkpoint (a base weight the store
+        quantizes chunk by chunk), or None."""
+        return checkpoint_ranges(self.reader, self.stored_of)(tensor)
 
     def source(self, tensor: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
         """What fills ``tensor``'s slice of a host flat: a read of the checkpoint, or None (copy it)."""

@@ -14,6 +14,7 @@ import psutil
 import torch
 
 from ..core.layout import TensorSpec, host_tiers, lay_out, wire_dtype
+from ..core.quant import quant_format
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +58,15 @@ def host_breakdown_for_units(
     embedding_units: frozenset[int] = frozenset({0}),
     optimizer_state: bool = True,
     frozen_in_wire_dtype: bool = True,
+    quantize=None,
 ) -> dict[str, int]:
     """Exact host bytes per tier for real modules, walked the way ``HostStore`` walks them.
 
     ``staging``: whether the store keeps a compute-dtype copy (it never does for fp32 compute);
     ``optimizer_state``: count ``HostAdamW``'s two fp32 moments per trainable element;
     ``frozen_in_wire_dtype``: frozen weights in the wire dtype, else in fp32 (``HostStore``'s). Tied
-    parameters (one tensor in two units) are counted once, frozen ones in their wire dtype only.
+    parameters (one tensor in two units) are counted once, frozen ones in their wire dtype only;
+    ``quantize(param)``: the scheme a frozen weight is stored in (``HostStore``'s), None: as is.
     """
     seen: set[int] = set()
     sizes = []
@@ -76,6 +79,11 @@ def host_breakdown_for_units(
             wire = wire_dtype(p.dtype, p.ndim, compute_dtype, embedding=u in embedding_units, name=name)
             if not p.requires_grad and not frozen_in_wire_dtype and wire.is_floating_point:
                 wire = torch.float32
+            scheme = quantize(p) if quantize is not None and not p.requires_grad else None
+            fmt = quant_format(scheme, tuple(p.shape), wire) if scheme is not None else None
+            if fmt is not None:
+                specs.append(TensorSpec(fmt.nbytes, False, torch.uint8))
+                continue
             specs.append(TensorSpec(p.numel(), p.requires_grad, wire))
         sizes.append(lay_out(specs))
     return host_tiers(sizes, compute_dtype, staging=staging, optimizer_state=optimizer_state)
@@ -129,7 +137,8 @@ def check_host_memory(
 
 
 def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
-          host_staging: bool | str, optimizer_state: bool, frozen_in_wire_dtype: bool = True) -> bool:
+          host_staging: bool | str, optimizer_state: bool, frozen_in_wire_dtype: bool = True,
+          quantize=None) -> bool:
     """Raise with the arithmetic before allocating, rather than meet the OOM killer later.
 
     Returns whether to keep the host staging copy: with ``host_staging="auto"`` it is dropped when
@@ -144,7 +153,7 @@ def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[i
     def check(staging: bool) -> None:
         breakdown = host_breakdown_for_units(units, compute_dtype=compute_dtype, staging=staging,
                                              embedding_units=embedding_units, optimizer_state=optimizer_state,
-                                             frozen_in_wire_dtype=frozen_in_wire_dtype)
+                                             frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize)
         check_host_memory(sum(breakdown.values()), breakdown, available=available)
 
     if host_staging is False:

@@ -16,6 +16,7 @@ import torch
 from ..core.grads import MAX_PENDING_SENDS
 from ..core.layout import TensorSpec, aligned, host_tiers, lay_out, wire_dtype
 from ..core.layout import loss_chunk_tokens as loss_chunk
+from ..core.quant import CHUNK_ELEMENTS, quant_format
 from .host import DEFAULT_HEADROOM_BYTES, TIER_LABELS, GiB, _check_int, check_host_memory, gib
 from .shapes import ModelShape
 
@@ -38,6 +39,8 @@ class _Tensor:
     matrix: bool  # ndim >= 2
     trainable: bool
     lora: bool = False  # a LoRA matrix (fp32 on the wire, whatever its shape)
+    quant: str | None = None  # a base weight stored quantized with this scheme ...
+    rows_cols: tuple[int, int] = (0, 0)  # ... of this (out, in) shape
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class _UnitLayout:
     def specs(self, compute_dtype: torch.dtype) -> list[TensorSpec]:
         """The tensors as the store lays them out, wire dtype by the store's own rule."""
         return [
+            TensorSpec(quant_format(t.quant, t.rows_cols, compute_dtype).nbytes, False, torch.uint8) if t.quant else
             TensorSpec(t.numel, t.trainable, wire_dtype(torch.float32, 2 if t.matrix else 1, compute_dtype,
                                                           embedding=self.kind == "embedding",
                                                           name="lora_A.weight" if t.lora else ""))
@@ -56,15 +60,20 @@ class _UnitLayout:
         ]
 
 
-def _layer_layout(shape: ModelShape, layer: int, lora_rank: int | None, lora_targets: Iterable[str]) -> _UnitLayout:
+def _layer_layout(shape: ModelShape, layer: int, lora_rank: int | None, lora_targets: Iterable[str],
+                  base_quantization: str = "none") -> _UnitLayout:
     lora = lora_rank is not None
     full = not lora
     tensors: list[_Tensor] = []
     for lname, (fi, fo, bias) in shape.linears(layer).items():
-        tensors.append(_Tensor(fi * fo, True, full))
+        adapted = lora and lname in lora_targets
+        quant = base_quantization if adapted and base_quantization != "none" else None
+        if quant and quant_format(quant, (fo, fi), torch.bfloat16) is None:
+            quant = None  # not whole blocks: the store keeps it unquantized too
+        tensors.append(_Tensor(fi * fo, True, full, quant=quant, rows_cols=(fo, fi)))
         if bias:
             tensors.append(_Tensor(fo, False, full))
-        if lora and lname in lora_targets:
+        if adapted:
             tensors.append(_Tensor(lora_rank * fi, True, True, lora=True))  # lora_A: (r, in)
             tensors.append(_Tensor(fo * lora_rank, True, True, lora=True))  # lora_B: (out, r)
     tensors += [_Tensor(n, True, full) for n in shape.expert_tensors(layer).values()]  # router, experts
@@ -72,14 +81,17 @@ def _layer_layout(shape: ModelShape, layer: int, lora_rank: int | None, lora_tar
     return _UnitLayout("layer", tuple(tensors))
 
 
-def _layout(shape: ModelShape, lora_rank: int | None, lora_targets: Iterable[str]) -> list[_UnitLayout]:
-    """The units as the store sees them (all layers alike, but an MoE model's dense layers)."""
+def _layout(shape: ModelShape, lora_rank: int | None, lora_targets: Iterable[str],
+            base_quantization: str = "none") -> list[_UnitLayout]:
+    """The units as the store sees them (all layers alike, but an MoE model's dense layers);
+    ``base_quantization``: the LoRA-adapted base weights are stored with that scheme."""
     full = lora_rank is None
     table = shape.vocab * shape.hidden
     layouts: dict[bool, _UnitLayout] = {}  # a layer's layout depends only on whether it routes experts
     for layer in range(shape.layers):
         if shape.is_moe_layer(layer) not in layouts:
-            layouts[shape.is_moe_layer(layer)] = _layer_layout(shape, layer, lora_rank, lora_targets)
+            layouts[shape.is_moe_layer(layer)] = _layer_layout(shape, layer, lora_rank, lora_targets,
+                                                               base_quantization)
     units = [_UnitLayout("embedding", (_Tensor(table, True, full),))]
     if shape.positions:  # learned positions: a second lookup table
         units.append(_UnitLayout("embedding", (_Tensor(shape.positions * shape.hidden, True, full),)))
@@ -154,7 +166,8 @@ class MemoryPlan:
     host_staging: int
     """Compute-dtype copy of trainable matrices of layers and lm_head (2 B each in bf16, none in fp32)."""
     host_frozen: int
-    """Frozen weights in their wire dtype (2 B for bf16 matrices, 4 B for vectors/embedding/fp32)."""
+    """Frozen weights in their wire dtype (2 B for bf16 matrices, 4 B for vectors/embedding/fp32), or
+    quantized (``base_quantization``: 0.52 B per NF4, 1 B per int8 parameter)."""
     host_checkpoints: int
     """With ``offload_checkpoints``: every activation checkpoint of the micro-batches in flight, in
     pinned host buffers (what ``gpu_checkpoints`` would hold otherwise); 0 without."""
@@ -178,6 +191,11 @@ class MemoryPlan:
     fp32 gradients, ``tokens x vocab`` each."""
     gpu_runtime: int
     """Fixed allowance: CUDA context, cuBLAS workspaces, allocator slack."""
+    base_quantization: str = "none"
+    """How the LoRA-adapted base weights are stored and streamed (``"none"``, ``"int8"``, ``"nf4"``)."""
+    gpu_dequant: int = 0
+    """With ``base_quantization``: the largest unit's quantized weights dequantized to the compute
+    dtype (the resident unit's flat), plus the fp32 values and int32 codes of one dequantization chunk."""
 
     # -------------------------------------------------------------- totals
     @property
@@ -222,6 +240,7 @@ class MemoryPlan:
             "weight_grads": self.gpu_weight_grads,
             "logits": self.gpu_logits,
             "runtime": self.gpu_runtime,
+            **({"dequant": self.gpu_dequant} if self.base_quantization != "none" else {}),
         }
 
     def check_host(self, available: int | None = None, headroom_bytes: int = DEFAULT_HEADROOM_BYTES) -> int:
@@ -241,6 +260,8 @@ class MemoryPlan:
         s = self.shape
         tokens = self.tokens_per_micro_batch
         lora = f", LoRA r={self.lora_rank}" if self.lora_rank is not None else ""
+        if self.base_quantization != "none":
+            lora += f" on a {self.base_quantization} base"
         lines = [
             f"memory plan: {s.name or 'model'}  ({self.total_params / 1e9:.2f} B params, "
             f"{self.trainable_params / 1e9:.2f} B trainable{lora}), compute {self.compute_dtype}",
@@ -269,6 +290,7 @@ class MemoryPlan:
             "layer_working_set": "one layer's recompute working set",
             "weight_grads": f"weight grads, fp32 ({MAX_PENDING_SENDS + 2} x largest unit)",
             "logits": "logits + loss (tokens or one chunk x vocab)",
+            "dequant": f"dequantized base ({self.base_quantization}: largest unit)",
             "runtime": "CUDA context + workspaces (allowance)",
         }
         for key, value in self.gpu_breakdown().items():
@@ -291,6 +313,7 @@ def plan_memory(
     lora_rank: int | None = None,
     lora_targets: Iterable[str] = LORA_TARGETS,
     offload_checkpoints: bool = False,
+    base_quantization: str = "none",
 ) -> MemoryPlan:
     """Plan the host tiers (exact) and the GPU items (estimate) of training ``shape``.
 
@@ -301,6 +324,8 @@ def plan_memory(
     layer are trainable, every base weight frozen) instead of full fine-tuning.
     ``offload_checkpoints``: the checkpoints live in host RAM; the GPU holds two per micro-batch
     in flight (the one going down, the one coming back up).
+    ``base_quantization``: ``"int8"`` / ``"nf4"`` store and stream the LoRA-adapted base weights
+    quantized (needs ``lora_rank``), as ``MegaTrainConfig(base_quantization=...)``.
     """
     _check_int("seq_len", seq_len)
     _check_int("micro_batch", micro_batch)
@@ -319,10 +344,15 @@ def plan_memory(
                 f"lora_targets={list(lora_targets)!r}: unknown or empty ({unknown}); allowed: a non-empty "
                 f"subset of {list(LORA_TARGETS)}."
             )
+    if base_quantization not in ("none", "int8", "nf4"):
+        raise ValueError(f"base_quantization={base_quantization!r}; allowed: 'none', 'int8' or 'nf4'.")
+    if base_quantization != "none" and lora_rank is None:
+        raise ValueError(f"base_quantization={base_quantization!r} quantizes frozen LoRA base weights; a full "
+                         "fine-tune trains every weight in fp32. Fix: also give lora_rank (--lora-rank R).")
     cbytes = _COMPUTE_BYTES[compute_dtype]
     dtype_name = "bf16" if cbytes == 2 else "fp32"
     dtype = _DTYPE_BY_NAME[compute_dtype]
-    units = _layout(shape, lora_rank, lora_targets)
+    units = _layout(shape, lora_rank, lora_targets, base_quantization)
     tiers = _host_tiers(units, dtype, host_staging)
 
     trainable = sum(t.numel for u in units for t in u.tensors if t.trainable)
@@ -376,6 +406,9 @@ def plan_memory(
         gpu_logits=(min(tokens, loss_chunk(loss_chunk_tokens, shape.vocab)) if chunked_loss else in_flight * tokens)
         * shape.vocab * (cbytes + 12),
         gpu_runtime=GPU_RUNTIME_ALLOWANCE_BYTES,
+        base_quantization=base_quantization,
+        gpu_dequant=max(sum(t.numel for t in u.tensors if t.quant) for u in distinct) * cbytes
+        + (8 * CHUNK_ELEMENTS if base_quantization != "none" else 0),
     )
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,
                  plan.gpu_total / GiB)
