@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import torch
 
 from ..core.grads import MAX_PENDING_SENDS
-from ..core.layout import TensorSpec, aligned, host_tiers, lay_out, wire_dtype
+from ..core.layout import MOMENT_FORMATS, TensorSpec, aligned, host_tiers, lay_out, wire_dtype
 from ..core.layout import loss_chunk_tokens as loss_chunk
 from .host import DEFAULT_HEADROOM_BYTES, TIER_LABELS, GiB, _check_int, check_host_memory, gib
 from .shapes import ModelShape
@@ -98,9 +98,12 @@ def _wire_bytes(unit: _UnitLayout, compute_dtype: torch.dtype) -> int:
     return sum(aligned(s.numel) * s.wire.itemsize for s in unit.specs(compute_dtype))
 
 
-def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_staging: bool = True) -> dict[str, int]:
-    """Host bytes per tier; without ``host_staging`` the fp32 masters are sent and rounded on the device."""
-    return host_tiers([lay_out(u.specs(compute_dtype)) for u in units], compute_dtype, staging=host_staging)
+def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_staging: bool = True,
+                optimizer_state: str = "fp32") -> dict[str, int]:
+    """Host bytes per tier; without ``host_staging`` the fp32 masters are sent and rounded on the device;
+    ``optimizer_state``: the moments' format (docs/optimizer-state.md)."""
+    return host_tiers([lay_out(u.specs(compute_dtype)) for u in units], compute_dtype, staging=host_staging,
+                      optimizer_state=optimizer_state)
 
 
 def _offloaded_checkpoint_bytes(shape: ModelShape, tokens: int) -> int:
@@ -148,9 +151,9 @@ class MemoryPlan:
     host_grad: int
     """fp32 gradient accumulators: 4 B per trainable parameter."""
     host_exp_avg: int
-    """AdamW first moment, fp32: 4 B per trainable parameter."""
+    """AdamW first moment: 4 B per trainable parameter in fp32 (bf16 2, 8bit ~1.02, 4bit ~0.53)."""
     host_exp_avg_sq: int
-    """AdamW second moment, fp32: 4 B per trainable parameter."""
+    """AdamW second moment: as ``host_exp_avg``."""
     host_staging: int
     """Compute-dtype copy of trainable matrices of layers and lm_head (2 B each in bf16, none in fp32)."""
     host_frozen: int
@@ -178,6 +181,8 @@ class MemoryPlan:
     fp32 gradients, ``tokens x vocab`` each."""
     gpu_runtime: int
     """Fixed allowance: CUDA context, cuBLAS workspaces, allocator slack."""
+    optimizer_state: str = "fp32"
+    """Format of the AdamW moments planned (``MegaTrainConfig.optimizer_state``)."""
 
     # -------------------------------------------------------------- totals
     @property
@@ -255,6 +260,8 @@ class MemoryPlan:
         lines.append(f"{'HOST RAM (pinned, exact)':<{w}}{'GiB':>9}{'B/param':>9}")
         labels = dict(TIER_LABELS)
         labels["staging"] = f"{self.compute_dtype} staging copies (matrices)"
+        for key in ("exp_avg", "exp_avg_sq"):
+            labels[key] = f"AdamW {key} ({self.optimizer_state})"
         for key, value in self.host_breakdown().items():
             lines.append(f"  {labels[key]:<{w - 2}}{gib(value):>9}{value / per:>9.2f}")
         lines.append(f"  {'total':<{w - 2}}{gib(self.host_total):>9}{self.host_total / per:>9.2f}")
@@ -291,6 +298,7 @@ def plan_memory(
     lora_rank: int | None = None,
     lora_targets: Iterable[str] = LORA_TARGETS,
     offload_checkpoints: bool = False,
+    optimizer_state: str = "fp32",
 ) -> MemoryPlan:
     """Plan the host tiers (exact) and the GPU items (estimate) of training ``shape``.
 
@@ -301,6 +309,7 @@ def plan_memory(
     layer are trainable, every base weight frozen) instead of full fine-tuning.
     ``offload_checkpoints``: the checkpoints live in host RAM; the GPU holds two per micro-batch
     in flight (the one going down, the one coming back up).
+    ``optimizer_state``: the AdamW moments' format, ``"fp32"``, ``"bf16"``, ``"8bit"`` or ``"4bit"``.
     """
     _check_int("seq_len", seq_len)
     _check_int("micro_batch", micro_batch)
@@ -323,7 +332,9 @@ def plan_memory(
     dtype_name = "bf16" if cbytes == 2 else "fp32"
     dtype = _DTYPE_BY_NAME[compute_dtype]
     units = _layout(shape, lora_rank, lora_targets)
-    tiers = _host_tiers(units, dtype, host_staging)
+    if optimizer_state not in MOMENT_FORMATS:
+        raise ValueError(f"optimizer_state={optimizer_state!r} is not known; allowed: {list(MOMENT_FORMATS)}.")
+    tiers = _host_tiers(units, dtype, host_staging, optimizer_state)
 
     trainable = sum(t.numel for u in units for t in u.tensors if t.trainable)
     frozen = sum(t.numel for u in units for t in u.tensors if not t.trainable)
@@ -376,6 +387,7 @@ def plan_memory(
         gpu_logits=(min(tokens, loss_chunk(loss_chunk_tokens, shape.vocab)) if chunked_loss else in_flight * tokens)
         * shape.vocab * (cbytes + 12),
         gpu_runtime=GPU_RUNTIME_ALLOWANCE_BYTES,
+        optimizer_state=optimizer_state,
     )
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,
                  plan.gpu_total / GiB)

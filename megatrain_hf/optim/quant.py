@@ -35,7 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
-MODES = ("fp32", "bf16", "8bit", "4bit")
+from ..core.layout import MOMENT_FORMATS
+
+MODES = tuple(MOMENT_FORMATS)
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -101,16 +103,15 @@ class Format:
 
 @functools.lru_cache(maxsize=None)
 def format_of(mode: str) -> Format:
-    if mode == "fp32":
-        return Format("fp32", 32, 0)
-    if mode == "bf16":
-        return Format("bf16", 16, 0)
+    if not isinstance(mode, str) or mode not in MOMENT_FORMATS:
+        raise unknown_state(mode)
+    bits, block = MOMENT_FORMATS[mode]  # fp32 32/0, bf16 16/0, 8bit 8/256, 4bit 4/128
     if mode == "8bit":
-        return Format("8bit", 8, 256, (tuple(dynamic_map(True, 7, 8)), tuple(dynamic_map(False, 7, 8))))
+        return Format(mode, bits, block, (tuple(dynamic_map(True, 7, 8)), tuple(dynamic_map(False, 7, 8))))
     if mode == "4bit":
         linear = tuple(float(i) / 16 for i in range(1, 17))  # no zero: a v never expands to 0
-        return Format("4bit", 4, 128, (tuple(dynamic_map(True, 3, 4)), linear))
-    raise unknown_state(mode)
+        return Format(mode, bits, block, (tuple(dynamic_map(True, 3, 4)), linear))
+    return Format(mode, bits, block)
 
 
 def unknown_state(value, where: str = "optimizer_state") -> ValueError:
