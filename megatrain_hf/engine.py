@@ -68,7 +68,8 @@ class Engine:
         quantize = (lambda p: schemes.get(id(p))) if schemes else None
         staging = config.host_staging is not False
         if config.check_host_memory:
-            staging = host_memory.admit(named, located.embedding_units, dtype, config.host_staging, config.replace_adamw,
+            moments = config.optimizer_state if config.replace_adamw else False
+            staging = host_memory.admit(named, located.embedding_units, dtype, config.host_staging, moments,
                                         frozen_in_wire_dtype, quantize)
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)

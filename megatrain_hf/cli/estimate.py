@@ -41,6 +41,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload-checkpoints", action="store_true",
                         help="activation checkpoints in pinned host memory (offload_checkpoints=True): GPU flat "
                              "with depth and micro-batches in flight, host RAM pays")
+    parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "8bit", "4bit"], default="fp32",
+                        help="format of the AdamW moments in host RAM (optimizer_state; default fp32, 8 B/param; "
+                             "8bit ~2 B/param, docs/optimizer-state.md)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: auto)")
     parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
     parser.add_argument("--base-quantization", choices=["none", "int8", "nf4"], default="none",
@@ -69,6 +72,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
             loss_chunk_tokens=args.loss_chunk_tokens,
             lora_rank=args.lora_rank,
             base_quantization=args.base_quantization,
+            optimizer_state=args.optimizer_state,
         )
     except ValueError as exc:
         print(f"megatrain estimate: error: {exc}", file=sys.stderr)
@@ -86,6 +90,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
         base_quantization=args.base_quantization,
         host_staging=args.host_staging,
         offload_tokens=plan.seq_len * plan.micro_batch * plan.micro_batches_in_flight if args.offload_checkpoints else 0,
+        optimizer_state=args.optimizer_state,
     )
     fit = largest_model(available, base=shape, **options)
     preset = largest_preset(available, **options)

@@ -56,14 +56,15 @@ def host_breakdown_for_units(
     compute_dtype: torch.dtype,
     staging: bool = True,
     embedding_units: frozenset[int] = frozenset({0}),
-    optimizer_state: bool = True,
+    optimizer_state: bool | str = True,
     frozen_in_wire_dtype: bool = True,
     quantize=None,
 ) -> dict[str, int]:
     """Exact host bytes per tier for real modules, walked the way ``HostStore`` walks them.
 
     ``staging``: whether the store keeps a compute-dtype copy (it never does for fp32 compute);
-    ``optimizer_state``: count ``HostAdamW``'s two fp32 moments per trainable element;
+    ``optimizer_state``: count ``HostAdamW``'s two moments per trainable element (True: fp32, or
+    the ``optimizer_state`` format's name), False: not;
     ``frozen_in_wire_dtype``: frozen weights in the wire dtype, else in fp32 (``HostStore``'s). Tied
     parameters (one tensor in two units) are counted once, frozen ones in their wire dtype only;
     ``quantize(param)``: the scheme a frozen weight is stored in (``HostStore``'s), None: as is.
@@ -137,7 +138,7 @@ def check_host_memory(
 
 
 def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
-          host_staging: bool | str, optimizer_state: bool, frozen_in_wire_dtype: bool = True,
+          host_staging: bool | str, optimizer_state: bool | str, frozen_in_wire_dtype: bool = True,
           quantize=None) -> bool:
     """Raise with the arithmetic before allocating, rather than meet the OOM killer later.
 

@@ -14,7 +14,7 @@ from typing import Any, Iterable
 import torch
 
 from ..core.grads import MAX_PENDING_SENDS
-from ..core.layout import aligned
+from ..core.layout import MOMENT_FORMATS, aligned
 from ..core.layout import loss_chunk_tokens as loss_chunk
 from ..core.quant import CHUNK_ELEMENTS
 from .host import DEFAULT_HEADROOM_BYTES, TIER_LABELS, GiB, _check_int, check_host_memory, gib
@@ -74,9 +74,9 @@ class MemoryPlan:
     host_grad: int
     """fp32 gradient accumulators: 4 B per trainable parameter."""
     host_exp_avg: int
-    """AdamW first moment, fp32: 4 B per trainable parameter."""
+    """AdamW first moment: 4 B per trainable parameter in fp32 (bf16 2, 8bit ~1.02, 4bit ~0.53)."""
     host_exp_avg_sq: int
-    """AdamW second moment, fp32: 4 B per trainable parameter."""
+    """AdamW second moment: as ``host_exp_avg``."""
     host_staging: int
     """Compute-dtype copy of trainable matrices of layers and lm_head (2 B each in bf16, none in fp32)."""
     host_frozen: int
@@ -110,6 +110,8 @@ class MemoryPlan:
     gpu_dequant: int = 0
     """With ``base_quantization``: the largest unit's quantized weights dequantized to the compute
     dtype (the resident unit's flat), plus the fp32 values and int32 codes of one dequantization chunk."""
+    optimizer_state: str = "fp32"
+    """Format of the AdamW moments planned (``MegaTrainConfig.optimizer_state``)."""
 
     # -------------------------------------------------------------- totals
     @property
@@ -190,6 +192,8 @@ class MemoryPlan:
         lines.append(f"{'HOST RAM (pinned, exact)':<{w}}{'GiB':>9}{'B/param':>9}")
         labels = dict(TIER_LABELS)
         labels["staging"] = f"{self.compute_dtype} staging copies (matrices)"
+        for key in ("exp_avg", "exp_avg_sq"):
+            labels[key] = f"AdamW {key} ({self.optimizer_state})"
         for key, value in self.host_breakdown().items():
             lines.append(f"  {labels[key]:<{w - 2}}{gib(value):>9}{value / per:>9.2f}")
         lines.append(f"  {'total':<{w - 2}}{gib(self.host_total):>9}{self.host_total / per:>9.2f}")
@@ -228,6 +232,7 @@ def plan_memory(
     lora_targets: Iterable[str] = LORA_TARGETS,
     offload_checkpoints: bool = False,
     base_quantization: str = "none",
+    optimizer_state: str = "fp32",
 ) -> MemoryPlan:
     """Plan the host tiers (exact) and the GPU items (estimate) of training ``shape``.
 
@@ -240,6 +245,7 @@ def plan_memory(
     in flight (the one going down, the one coming back up).
     ``base_quantization``: ``"int8"`` / ``"nf4"`` store and stream the LoRA-adapted base weights
     quantized (needs ``lora_rank``), as ``MegaTrainConfig(base_quantization=...)``.
+    ``optimizer_state``: the AdamW moments' format, ``"fp32"``, ``"bf16"``, ``"8bit"`` or ``"4bit"``.
     """
     _check_int("seq_len", seq_len)
     _check_int("micro_batch", micro_batch)
@@ -267,7 +273,9 @@ def plan_memory(
     dtype_name = "bf16" if cbytes == 2 else "fp32"
     dtype = _DTYPE_BY_NAME[compute_dtype]
     units = _layout(shape, lora_rank, lora_targets, base_quantization)
-    tiers = _host_tiers(units, dtype, host_staging)
+    if optimizer_state not in MOMENT_FORMATS:
+        raise ValueError(f"optimizer_state={optimizer_state!r} is not known; allowed: {list(MOMENT_FORMATS)}.")
+    tiers = _host_tiers(units, dtype, host_staging, optimizer_state)
 
     trainable = sum(t.numel for u in units for t in u.tensors if t.trainable)
     frozen = sum(t.numel for u in units for t in u.tensors if not t.trainable)
@@ -323,6 +331,7 @@ def plan_memory(
         base_quantization=base_quantization,
         gpu_dequant=max(sum(t.numel for t in u.tensors if t.quant) for u in distinct) * cbytes
         + (8 * CHUNK_ELEMENTS if base_quantization != "none" else 0),
+        optimizer_state=optimizer_state,
     )
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,
                  plan.gpu_total / GiB)

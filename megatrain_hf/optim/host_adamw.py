@@ -5,7 +5,9 @@ same kernel runs on the same tensors, so results are bitwise equal (``kernel="na
 over memory with torch's arithmetic op for op, see ``kernels.py``). What differs is where the
 state lives: ``exp_avg`` / ``exp_avg_sq`` are one contiguous fp32 flat per unit, laid out like the
 unit's master flat, so the update runs unit by unit (unit 0 first) and the state is saved and
-loaded per unit. ``step()`` snapshots hyper-parameters and gradients and returns; the next
+loaded per unit. ``state=`` other than ``"fp32"`` keeps them compressed instead (bf16, or 8-/4-bit
+blockwise codes with per-block scales: ``quant.py``, ``compressed.py``), expanded only inside the
+update. ``step()`` snapshots hyper-parameters and gradients and returns; the next
 forward's fetch of unit ``u`` waits for unit ``u``'s update only (``core/readiness.py``).
 
 NOTE: it subclasses ``torch.optim.Optimizer`` so that HF's LR schedulers, ``zero_grad`` and
@@ -27,7 +29,9 @@ from ..core.layout import Entry, Kind
 from ..core.readiness import zero_grad_after
 from ..core.store import HostStore, unfrozen_error
 from ..core.workers import start_worker
+from .compressed import CompressedMoments
 from .kernels import GroupWork, UnitJob, native_update, torch_update
+from .quant import format_of
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ class HostAdamW(torch.optim.Optimizer):
         host_threads: int | None = None,
         kernel: str = "torch",
         device: torch.device | None = None,
+        state: str = "fp32",
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -62,6 +67,7 @@ class HostAdamW(torch.optim.Optimizer):
         if kernel not in ("torch", "native"):
             raise ValueError(f"HostAdamW kernel={kernel!r}; allowed: 'torch' or 'native'")
         self.store = store
+        self.format = format_of(state)  # refuses an unknown format, naming the allowed ones
         self.device = device if device is not None else torch.device("cpu")  # where the uploads run
         self._native = None
         if kernel == "native":
@@ -125,13 +131,19 @@ class HostAdamW(torch.optim.Optimizer):
         self._plan = {u: dict(groups) for u, groups in sorted(plan.items())}
         self._exp_avg: dict[int, torch.Tensor] = {}
         self._exp_avg_sq: dict[int, torch.Tensor] = {}
+        self.moments: CompressedMoments | None = None  # the compressed moments (None: fp32 flats)
+        if self.format.mode != "fp32":
+            self.moments = CompressedMoments(
+                self.format, {u: [e for entries in groups.values() for e in entries] for u, groups in self._plan.items()},
+                {u: self.store.buffers[u].master_host.numel() for u in self._plan}, self.store.allocate)
         # one step counter per parameter, as torch's AdamW: a parameter without a gradient in a
         # step keeps its count (and its bias correction)
         self._steps: dict[tuple[int, int], list[torch.Tensor]] = {}
         for u, groups in self._plan.items():
             numel = self.store.buffers[u].master_host.numel()
-            self._exp_avg[u] = self.store.allocate(numel, torch.float32).zero_()
-            self._exp_avg_sq[u] = self.store.allocate(numel, torch.float32).zero_()
+            if self.moments is None:
+                self._exp_avg[u] = self.store.allocate(numel, torch.float32).zero_()
+                self._exp_avg_sq[u] = self.store.allocate(numel, torch.float32).zero_()
             for gi, entries in groups.items():
                 self._steps[(u, gi)] = [torch.zeros((), dtype=torch.float32) for _ in entries]
         self._build_state_views()
@@ -155,16 +167,23 @@ class HostAdamW(torch.optim.Optimizer):
                 for e, step in zip(entries, self._steps[(u, gi)]):
                     src = loaded.get(e.tensor, {})
                     step.fill_(float(src["step"]) if "step" in src else 0.0)
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        if key in src:
-                            self.state[e.tensor][key].copy_(src[key].reshape(e.shape))
-                        else:  # no saved state: a fresh start, as torch's AdamW would make
+                    for k, key in enumerate(("exp_avg", "exp_avg_sq")):
+                        value = src[key].reshape(e.shape) if key in src else None  # None: a fresh start
+                        if self.moments is not None:  # compressed from the saved fp32 values
+                            self.moments.of(u, e).assign(self.format, k, value if value is not None else
+                                                         torch.zeros(e.numel))
+                        elif value is not None:
+                            self.state[e.tensor][key].copy_(value)
+                        else:
                             self.state[e.tensor][key].zero_()
 
     def _build_state_views(self) -> None:
         for u, groups in self._plan.items():
             for gi, entries in groups.items():
                 for e, step in zip(entries, self._steps[(u, gi)]):
+                    if self.moments is not None:  # no fp32 views: state_dict() expands a copy
+                        self.state[e.tensor] = {"step": step}
+                        continue
                     self.state[e.tensor] = {
                         "step": step,
                         "exp_avg": self._exp_avg[u][e.offset : e.offset + e.numel].view(e.shape),
@@ -213,26 +232,27 @@ class HostAdamW(torch.optim.Optimizer):
             torch.cuda.synchronize(self.device)  # no upload still reads a staging flat the update rewrites
         jobs = []  # snapshot everything first: a failure here leaves no unit marked busy
         for u, groups in self._plan.items():
-            work = [w for w in (self._snapshot(gi, entries, clip) for gi, entries in groups.items()) if w is not None]
+            work = [w for w in (self._snapshot(u, gi, entries, clip) for gi, entries in groups.items()) if w is not None]
             if work:
                 jobs.append(UnitJob(u, work))
         self._dispatch(jobs)
         return loss
 
-    def _snapshot(self, gi: int, entries: list[Entry], clip: torch.Tensor | None) -> GroupWork | None:
+    def _snapshot(self, u: int, gi: int, entries: list[Entry], clip: torch.Tensor | None) -> GroupWork | None:
         group = self.param_groups[gi]
         updated = [e for e in entries if e.tensor.grad is not None]
         if not updated:
             return None
         states = [self.state[e.tensor] for e in updated]
         lr = group["lr"]
+        compressed = None if self.moments is None else [self.moments.of(u, e) for e in updated]
         return GroupWork(
             entries=updated,
             steps=[s["step"] for s in states],
             params=[e.tensor for e in updated],
             grads=[e.tensor.grad for e in updated],
-            exp_avgs=[s["exp_avg"] for s in states],
-            exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+            exp_avgs=[s["exp_avg"] for s in states] if compressed is None else [],
+            exp_avg_sqs=[s["exp_avg_sq"] for s in states] if compressed is None else [],
             lr=lr.clone() if isinstance(lr, torch.Tensor) else lr,
             beta1=group["betas"][0],
             beta2=group["betas"][1],
@@ -240,6 +260,8 @@ class HostAdamW(torch.optim.Optimizer):
             eps=group["eps"],
             maximize=group["maximize"],
             clip=clip,
+            compressed=compressed,
+            fmt=self.format,
         )
 
     def _skipped(self) -> None:
@@ -321,8 +343,19 @@ class HostAdamW(torch.optim.Optimizer):
         self.store.gates.raise_error()
 
     def state_dict(self):
+        """torch AdamW's layout; compressed moments are expanded to fp32 copies (a full fp32 copy)."""
         self.synchronize()
-        return super().state_dict()
+        out = super().state_dict()
+        if self.moments is not None:
+            index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+            for u, groups in self._plan.items():
+                for entries in groups.values():
+                    for e in entries:
+                        st = self.moments.of(u, e)
+                        out["state"][index[id(e.tensor)]].update(
+                            exp_avg=st.expand(self.format, 0).view(e.shape),
+                            exp_avg_sq=st.expand(self.format, 1).view(e.shape))
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grad_after(self.synchronize, super().zero_grad, set_to_none)

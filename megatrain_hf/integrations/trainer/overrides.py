@@ -55,6 +55,7 @@ def _install_optimizer(patcher: Patcher, plugin, trainer) -> None:
     def create_optimizer(model=None):
         supplied = trainer.optimizer is not None  # Trainer(optimizers=(opt, ...)) set it in __init__
         optimizer = original(model) if model is not None else original()
+        _check_compressible(plugin.config, optimizer, supplied and trainer.lr_scheduler is not None)
         if not plugin.config.replace_adamw or not convertible(optimizer):
             return optimizer
         if supplied and trainer.lr_scheduler is not None:
@@ -70,10 +71,31 @@ def _install_optimizer(patcher: Patcher, plugin, trainer) -> None:
     patcher.set_attr(trainer, "create_optimizer", create_optimizer)
 
 
+def _check_compressible(config, optimizer: torch.optim.Optimizer, kept: bool) -> None:
+    """Compressed moments exist only in HostAdamW: refuse a setup where it would not run."""
+    state = config.optimizer_state
+    if state == "fp32":
+        return
+    if not convertible(optimizer) or not config.replace_adamw or kept:
+        why = (f"the optimizer is {type(optimizer).__name__}" if not convertible(optimizer) else
+               "replace_adamw=False keeps torch's AdamW" if not config.replace_adamw else
+               "an optimizer passed with its scheduler in Trainer(optimizers=(opt, sched)) is kept as it is")
+        raise ValueError(
+            f"megatrain: optimizer_state={state!r} compresses the moments of megatrain's HostAdamW, but {why}. "
+            "Fix: train with AdamW (optim='adamw_torch_fused', the default, or 'adamw_torch'; no scheduler in "
+            "optimizers=) and replace_adamw=True, or set optimizer_state='fp32'."
+        )
+    if config.device_update:
+        raise ValueError(
+            f"megatrain: optimizer_state={state!r} cannot be combined with device_update=True (the device's "
+            "share updates fp32 moments). Fix: set device_update=False or optimizer_state='fp32'."
+        )
+
+
 def _host_optimizer(plugin, optimizer: torch.optim.Optimizer) -> HostAdamW:
     engine, config = plugin.engine, plugin.config
     kwargs = dict(host_threads=engine.host_threads, kernel=config.resolve_host_adamw_kernel(engine.device),
-                  device=engine.device)
+                  device=engine.device, state=config.optimizer_state)
     if config.device_update:
         from ...optim.device_update import DeviceShareAdamW
 
