@@ -96,8 +96,11 @@ def _wire_bytes(unit: _UnitLayout, compute_dtype: torch.dtype) -> int:
     return sum(aligned(s.numel) * s.wire.itemsize for s in unit.specs(compute_dtype))
 
 
-def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_staging: bool = True) -> dict[str, int]:
-    """Host bytes per tier; without ``host_staging`` the fp32 masters are sent and rounded on the device."""
-    return host_tiers([lay_out(u.specs(compute_dtype)) for u in units], compute_dtype, staging=host_staging)
+def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_staging: bool = True,
+                optimizer_state: str = "fp32") -> dict[str, int]:
+    """Host bytes per tier; without ``host_staging`` the fp32 masters are sent and rounded on the device;
+    ``optimizer_state``: the moments' format (docs/optimizer-state.md)."""
+    return host_tiers([lay_out(u.specs(compute_dtype)) for u in units], compute_dtype, staging=host_staging,
+                      optimizer_state=optimizer_state)
 
 
