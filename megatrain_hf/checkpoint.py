@@ -137,29 +137,34 @@ def _layout(optimizer, u: int) -> dict[str, list]:
 # ---------------------------------------------------------------------------------- save / load
 def save_optimizer(optimizer, folder: str) -> None:
     """Write ``optimizer``'s (a HostAdamW) state into ``folder``, one safetensors file per unit."""
-    from safetensors.torch import save_file
-
     optimizer.synchronize()
     os.makedirs(folder, exist_ok=True)
     hyper = json.dumps(_encode(_hyper(optimizer)))
     units = list(optimizer._plan)
     for u in units:
-        exp_avg, exp_avg_sq = optimizer._exp_avg[u], optimizer._exp_avg_sq[u]
-        metadata = {
-            "format": FORMAT,
-            "unit": str(u),
-            "unit_name": optimizer.store.names[u],
-            "units": json.dumps(units),
-            "numel": str(exp_avg.numel()),
-            "steps": json.dumps(
-                {str(gi): [float(step) for step in optimizer._steps[(u, gi)]] for gi in optimizer._plan[u]}
-            ),
-            "layout": json.dumps(_layout(optimizer, u)),
-            "param_groups": hyper,
-        }
-        tensors = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-        atomic_write(unit_file(folder, u), lambda tmp, t=tensors, m=metadata: save_file(t, tmp, metadata=m))
+        with optimizer.unit_state(u) as flats:  # paged in from the disk tier when it is there
+            _save_unit(optimizer, folder, u, units, hyper, flats["exp_avg"], flats["exp_avg_sq"])
     fsync_path(folder)
+
+
+def _save_unit(optimizer, folder: str, u: int, units: list[int], hyper: str, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor) -> None:
+    from safetensors.torch import save_file
+
+    metadata = {
+        "format": FORMAT,
+        "unit": str(u),
+        "unit_name": optimizer.store.names[u],
+        "units": json.dumps(units),
+        "numel": str(exp_avg.numel()),
+        "steps": json.dumps(
+            {str(gi): [float(step) for step in optimizer._steps[(u, gi)]] for gi in optimizer._plan[u]}
+        ),
+        "layout": json.dumps(_layout(optimizer, u)),
+        "param_groups": hyper,
+    }
+    tensors = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+    atomic_write(unit_file(folder, u), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _read_headers(folder: str, expected_units: list[int] | None) -> dict[int, dict]:
@@ -208,7 +213,7 @@ def load_optimizer(optimizer, folder: str) -> None:
     units = list(optimizer._plan)
     headers = _read_headers(folder, units)
     for u, meta in headers.items():  # validate everything before changing anything
-        numel = optimizer._exp_avg[u].numel()
+        numel = optimizer.state_spec(u)["exp_avg"][0]
         if int(meta["numel"]) != numel or json.loads(meta["layout"]) != _layout(optimizer, u):
             raise ValueError(
                 f"{unit_file(folder, u)} (unit {meta.get('unit_name')}) has another parameter layout than "
@@ -222,9 +227,9 @@ def load_optimizer(optimizer, folder: str) -> None:
             f"{len(optimizer.param_groups)}"
         )
     for u, meta in headers.items():
-        with safe_open(unit_file(folder, u), framework="pt") as f:
-            optimizer._exp_avg[u].copy_(f.get_tensor("exp_avg"))
-            optimizer._exp_avg_sq[u].copy_(f.get_tensor("exp_avg_sq"))
+        with safe_open(unit_file(folder, u), framework="pt") as f, optimizer.unit_state(u, write=True) as flats:
+            flats["exp_avg"].copy_(f.get_tensor("exp_avg"))
+            flats["exp_avg_sq"].copy_(f.get_tensor("exp_avg_sq"))
         for gi, saved in json.loads(meta["steps"]).items():
             counters = optimizer._steps[(u, int(gi))]
             saved = saved if isinstance(saved, list) else [saved] * len(counters)  # one value per group

@@ -41,6 +41,7 @@ from .hf.install import install_model
 from .hf.loading import deferred_weights
 from .memory.budget import GpuBudget
 from .memory import host as host_memory
+from .memory.disk import admit_tiers
 from .memory.host import DEFAULT_HEADROOM_BYTES
 from .runtime import layer_major
 from .runtime.streamed_call import Unit, UnitRunner
@@ -62,10 +63,13 @@ class Engine:
         located = self.family.locate(model)
         check_coverage(model, located)
         named = list(zip(located.names, located.modules))
-        staging = config.host_staging is not False
-        if config.check_host_memory:
-            staging = host_memory.admit(named, located.embedding_units, dtype, config.host_staging, config.replace_adamw,
-                                        frozen_in_wire_dtype)
+        if config.offload_dir is not None and config.device_update:
+            raise ValueError(f"MegaTrainConfig(offload_dir={config.offload_dir!r}) does not combine with "
+                             "device_update=True (the device's share would keep the moments it pages on the GPU). "
+                             "Fix: leave device_update off, or offload_dir unset.")
+        staging, self.state_tier = admit_tiers(named, located.embedding_units, dtype, config.host_staging,
+                                               config.replace_adamw, frozen_in_wire_dtype, config.offload_dir,
+                                               config.offload_state, config.check_host_memory)
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()

@@ -69,6 +69,18 @@ class MemoryOptions:
     memory than it will grant (e.g. VMs whose RAM grows on use): offloaded activation checkpoints
     then also take what they need without asking the OS first."""
 
+    offload_dir: str | None = None
+    """A directory on a local disk for the disk tier ([disk tier](disk-tier.md)): with it, the AdamW
+    moments (8 B per trainable parameter) can live in files there instead of host RAM, read a few
+    units ahead of the update and written back behind it (the order is known: exact prefetch).
+    megatrain creates its own directory inside it (mode 0700, unique per run, removed at exit).
+    Where the moments go is `offload_state`'s choice. `None`: everything in RAM."""
+
+    offload_state: Literal["auto", "moments"] = "auto"
+    """With `offload_dir`: `"auto"` keeps the moments in RAM when the plan fits there and puts them on
+    disk when it does not (logged); `"moments"` puts them on disk whatever RAM there is. Refused
+    before allocating, with the arithmetic, when RAM + the free space of `offload_dir` are short."""
+
     def gpu_memory_bytes(self) -> int | None:
         """``max_gpu_memory`` in bytes (None without a budget)."""
         return parse_size("max_gpu_memory", self.max_gpu_memory)

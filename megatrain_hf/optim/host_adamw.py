@@ -15,6 +15,8 @@ NOTE: it subclasses ``torch.optim.Optimizer`` so that HF's LR schedulers, ``zero
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import logging
 import queue
 import threading
@@ -52,6 +54,8 @@ class HostAdamW(torch.optim.Optimizer):
         host_threads: int | None = None,
         kernel: str = "torch",
         device: torch.device | None = None,
+        offload_dir: str | None = None,
+        offload_window: int | None = None,
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -62,6 +66,8 @@ class HostAdamW(torch.optim.Optimizer):
         if kernel not in ("torch", "native"):
             raise ValueError(f"HostAdamW kernel={kernel!r}; allowed: 'torch' or 'native'")
         self.store = store
+        self.offload_dir, self.offload_window = offload_dir, offload_window
+        self._pager = None  # PagedState when the moments live on disk (offload_dir)
         self.device = device if device is not None else torch.device("cpu")  # where the uploads run
         self._native = None
         if kernel == "native":
@@ -128,13 +134,40 @@ class HostAdamW(torch.optim.Optimizer):
         # one step counter per parameter, as torch's AdamW: a parameter without a gradient in a
         # step keeps its count (and its bias correction)
         self._steps: dict[tuple[int, int], list[torch.Tensor]] = {}
+        specs = {u: self.state_spec(u) for u in self._plan}
+        if self.offload_dir is not None:
+            from .paged_state import DEFAULT_WINDOW, PagedState
+
+            self._pager = PagedState(self.offload_dir, specs, self.offload_window or DEFAULT_WINDOW)
+            logger.info("megatrain: AdamW moments on disk in %s (%.2f GiB; %.2f GiB of RAM slots)",
+                        self._pager.run_dir, self._pager.disk_bytes() / 2**30, self._pager.ram_bytes() / 2**30)
         for u, groups in self._plan.items():
-            numel = self.store.buffers[u].master_host.numel()
-            self._exp_avg[u] = self.store.allocate(numel, torch.float32).zero_()
-            self._exp_avg_sq[u] = self.store.allocate(numel, torch.float32).zero_()
+            if self._pager is None:
+                self._exp_avg[u] = self.store.allocate(specs[u]["exp_avg"][0], torch.float32).zero_()
+                self._exp_avg_sq[u] = self.store.allocate(specs[u]["exp_avg_sq"][0], torch.float32).zero_()
             for gi, entries in groups.items():
                 self._steps[(u, gi)] = [torch.zeros((), dtype=torch.float32) for _ in entries]
         self._build_state_views()
+
+    def state_spec(self, u: int) -> dict[str, tuple[int, torch.dtype]]:
+        """The contiguous state tensors of unit ``u``: name -> (elements, dtype). The disk tier pages
+        exactly these, as raw bytes."""
+        numel = self.store.buffers[u].master_host.numel()
+        return {"exp_avg": (numel, torch.float32), "exp_avg_sq": (numel, torch.float32)}
+
+    @contextlib.contextmanager
+    def unit_state(self, u: int, write: bool = False):
+        """Unit ``u``'s state tensors (``state_spec``'s names), resident while the block runs; with
+        ``write=True`` what the block changed is kept (written back when the state is on disk).
+        Call it with no update running (after :meth:`synchronize`)."""
+        if self._pager is None:
+            yield {"exp_avg": self._exp_avg[u], "exp_avg_sq": self._exp_avg_sq[u]}
+            return
+        flats = self._pager.acquire(u)
+        try:
+            yield flats
+        finally:
+            self._pager.release(u, dirty=write)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy a saved state into the host flats, tensor by tensor, from any device.
@@ -151,20 +184,25 @@ class HostAdamW(torch.optim.Optimizer):
         loaded = {p: saved[i] for i, p in zip(ids, params) if i in saved}
         self._build_state_views()
         for u, groups in self._plan.items():
-            for gi, entries in groups.items():
-                for e, step in zip(entries, self._steps[(u, gi)]):
-                    src = loaded.get(e.tensor, {})
-                    step.fill_(float(src["step"]) if "step" in src else 0.0)
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        if key in src:
-                            self.state[e.tensor][key].copy_(src[key].reshape(e.shape))
-                        else:  # no saved state: a fresh start, as torch's AdamW would make
-                            self.state[e.tensor][key].zero_()
+            with self.unit_state(u, write=True) as flats:
+                for gi, entries in groups.items():
+                    for e, step in zip(entries, self._steps[(u, gi)]):
+                        src = loaded.get(e.tensor, {})
+                        step.fill_(float(src["step"]) if "step" in src else 0.0)
+                        for key in ("exp_avg", "exp_avg_sq"):
+                            view = flats[key][e.offset : e.offset + e.numel].view(e.shape)
+                            if key in src:
+                                view.copy_(src[key].reshape(e.shape))
+                            else:  # no saved state: a fresh start, as torch's AdamW would make
+                                view.zero_()
 
     def _build_state_views(self) -> None:
         for u, groups in self._plan.items():
             for gi, entries in groups.items():
                 for e, step in zip(entries, self._steps[(u, gi)]):
+                    if self._pager is not None:  # the moments are paged in for the update only
+                        self.state[e.tensor] = {"step": step}
+                        continue
                     self.state[e.tensor] = {
                         "step": step,
                         "exp_avg": self._exp_avg[u][e.offset : e.offset + e.numel].view(e.shape),
@@ -231,8 +269,8 @@ class HostAdamW(torch.optim.Optimizer):
             steps=[s["step"] for s in states],
             params=[e.tensor for e in updated],
             grads=[e.tensor.grad for e in updated],
-            exp_avgs=[s["exp_avg"] for s in states],
-            exp_avg_sqs=[s["exp_avg_sq"] for s in states],
+            exp_avgs=[s["exp_avg"] for s in states] if self._pager is None else [],  # paged: filled by _update
+            exp_avg_sqs=[s["exp_avg_sq"] for s in states] if self._pager is None else [],
             lr=lr.clone() if isinstance(lr, torch.Tensor) else lr,
             beta1=group["betas"][0],
             beta2=group["betas"][1],
@@ -261,7 +299,13 @@ class HostAdamW(torch.optim.Optimizer):
                 if not self._queue:
                     return
                 job = self._queue.popleft()
+                upcoming = [j.unit for j in itertools.islice(self._queue, 0, self._pager_ahead())]
+            if self._pager is not None:
+                self._pager.prefetch([job.unit] + upcoming)  # the exact next units: the order is known
             self._run(job)
+
+    def _pager_ahead(self) -> int:
+        return len(self._pager._slots) - 2 if self._pager is not None else 0
 
     def _run(self, job: UnitJob, on_device: bool = False) -> None:
         """Run one job on this thread and mark its unit ready (with its error, if it failed)."""
@@ -282,6 +326,21 @@ class HostAdamW(torch.optim.Optimizer):
                 self._cond.notify_all()
 
     def _update(self, job: UnitJob, on_device: bool) -> None:
+        if self._pager is None:
+            self._update_resident(job)
+            return
+        flats = self._pager.acquire(job.unit)
+        try:
+            for w in job.work:
+                w.exp_avgs = [flats["exp_avg"][e.offset : e.offset + e.numel].view(e.shape) for e in w.entries]
+                w.exp_avg_sqs = [flats["exp_avg_sq"][e.offset : e.offset + e.numel].view(e.shape) for e in w.entries]
+            self._update_resident(job)
+        finally:
+            for w in job.work:
+                w.exp_avgs, w.exp_avg_sqs = [], []
+            self._pager.release(job.unit, dirty=True)
+
+    def _update_resident(self, job: UnitJob) -> None:
         u = job.unit
         staging_was_fresh = self.store.staging_fresh(u)
         for w in job.work:
@@ -319,20 +378,40 @@ class HostAdamW(torch.optim.Optimizer):
                 if not self._workers_alive():
                     raise RuntimeError("HostAdamW worker thread died")
         self.store.gates.raise_error()
+        if self._pager is not None:
+            self._pager.flush()  # the write-backs too: the files then hold the step's state
 
     def state_dict(self):
+        """``torch.optim.AdamW``'s layout. With the moments on disk it is built in RAM (a full copy)."""
         self.synchronize()
-        return super().state_dict()
+        out = super().state_dict()
+        if self._pager is not None:
+            index = {}
+            for group in self.param_groups:
+                for p in group["params"]:
+                    index.setdefault(p, len(index))
+            for u, groups in self._plan.items():
+                with self.unit_state(u) as flats:
+                    for entries in groups.values():
+                        for e in entries:
+                            for key in ("exp_avg", "exp_avg_sq"):
+                                out["state"][index[e.tensor]][key] = (
+                                    flats[key][e.offset : e.offset + e.numel].clone().view(e.shape))
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grad_after(self.synchronize, super().zero_grad, set_to_none)
 
     def close(self) -> None:
         """Stop the worker thread (after finishing pending updates)."""
-        if self._worker.is_alive():
-            self.synchronize()
-            self._wake.put(None)
-            self._worker.join(timeout=60)
+        try:
+            if self._worker.is_alive():
+                self.synchronize()
+                self._wake.put(None)
+                self._worker.join(timeout=60)
+        finally:
+            if self._pager is not None:
+                self._pager.close()  # removes the run's directory
 
     def __del__(self) -> None:
         wake = getattr(self, "_wake", None)

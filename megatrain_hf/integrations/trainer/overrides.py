@@ -74,6 +74,8 @@ def _host_optimizer(plugin, optimizer: torch.optim.Optimizer) -> HostAdamW:
     engine, config = plugin.engine, plugin.config
     kwargs = dict(host_threads=engine.host_threads, kernel=config.resolve_host_adamw_kernel(engine.device),
                   device=engine.device)
+    if engine.state_tier.on_disk:  # the engine's plan put the moments on disk (offload_dir)
+        kwargs["offload_dir"] = config.offload_dir
     if config.device_update:
         from ...optim.device_update import DeviceShareAdamW
 

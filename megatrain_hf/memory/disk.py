@@ -1,0 +1,107 @@
+"""The disk tier in the plan: where the optimizer state goes, and the refusal before allocating.
+
+:func:`tier_bytes` is the arithmetic (disk bytes, RAM window, bytes read and written per optimizer
+step) shared by the engine's admission and ``megatrain estimate``; :func:`admit_tiers` settles
+``offload_state`` against this machine's RAM and ``offload_dir``'s free space (``shutil.disk_usage``)
+and raises with the numbers when even RAM + disk are short.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+from ..core.disk_io import ALIGN, align_up, check_offload_dir
+from ..core.layout import UnitSizes
+from . import host as host_memory
+from .host import GiB, gib
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WINDOW = 4
+"""RAM slots of the disk tier (the unit updating, one written back behind it, two read ahead); the
+same number as ``optim/paged_state.py``'s default."""
+
+DISK_HEADROOM_BYTES = 1 * GiB
+"""Free space left on ``offload_dir``'s filesystem on top of the tier (logs, checkpoints' temp files)."""
+
+MOMENT_BYTES = 8  # HostAdamW: exp_avg + exp_avg_sq, fp32, per trainable element
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """The moments' placement and its bytes."""
+
+    on_disk: bool
+    disk_bytes: int = 0  # the files of the tier
+    ram_bytes: int = 0  # the RAM window (slots) that pages them
+    read_per_step: int = 0  # bytes read from disk per optimizer step (every unit once)
+    written_per_step: int = 0  # bytes written per optimizer step (every unit once)
+
+
+def tier_bytes(sizes: list[UnitSizes], window: int = DEFAULT_WINDOW) -> DiskTier:
+    """The moments of units laid out as ``sizes`` on disk: per unit one file, each moment ALIGN-aligned."""
+    per_unit = [2 * align_up(MOMENT_BYTES // 2 * s.n_train) for s in sizes if s.n_train]
+    total = sum(per_unit)
+    slot = max(per_unit + [ALIGN])
+    return DiskTier(True, total, window * slot, total, total)
+
+
+def disk_free_bytes(path: str) -> int:
+    return int(shutil.disk_usage(path).free)
+
+
+def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
+    """Raise ``MemoryError`` with the arithmetic unless ``needed`` + headroom fit in ``offload_dir``'s free space."""
+    path = check_offload_dir(offload_dir)
+    free = disk_free_bytes(path) if free is None else free
+    if needed + DISK_HEADROOM_BYTES <= free:
+        return
+    raise MemoryError(
+        f"megatrain's disk tier needs {gib(needed)} GiB in offload_dir={offload_dir!r} (+ {gib(DISK_HEADROOM_BYTES)} "
+        f"GiB headroom) but its filesystem has {gib(free)} GiB free:\n"
+        f"  AdamW moments (exp_avg + exp_avg_sq, fp32)   {gib(needed):>9} GiB\n"
+        f"  + headroom                                   {gib(DISK_HEADROOM_BYTES):>9} GiB\n"
+        f"  free on {path}   {gib(free):>9} GiB\n"
+        f"  short by                                     {gib(needed + DISK_HEADROOM_BYTES - free):>9} GiB\n"
+        "Fix: free space there, point offload_dir at a larger disk, or train a smaller model "
+        "(`megatrain estimate --offload-dir DIR` prints the largest that fits RAM + disk)."
+    )
+
+
+def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
+                host_staging: bool | str, replace_adamw: bool, frozen_in_wire_dtype: bool, offload_dir: str | None,
+                offload_state: str, check_ram: bool) -> tuple[bool, DiskTier]:
+    """The engine's admission with the disk tier: (keep the staging copy, the moments' placement).
+
+    ``offload_state="auto"``: the moments stay in RAM when the plan fits there, else go to disk;
+    ``"moments"``: on disk whatever RAM there is. Without ``offload_dir``: RAM (``host.admit``).
+    """
+    staging_default = host_staging is not False
+
+    def ram(optimizer_state: bool, extra: dict | None = None) -> bool:
+        if not check_ram:
+            return staging_default
+        return host_memory.admit(units, embedding_units, compute_dtype, host_staging, optimizer_state,
+                                 frozen_in_wire_dtype, extra=extra)
+
+    if offload_dir is None or not replace_adamw:
+        return ram(replace_adamw), DiskTier(False)
+    check_offload_dir(offload_dir)
+    if offload_state == "auto":
+        try:
+            return ram(True), DiskTier(False)
+        except MemoryError:
+            pass
+    sizes = host_memory.unit_sizes(units, compute_dtype=compute_dtype, embedding_units=embedding_units,
+                                   frozen_in_wire_dtype=frozen_in_wire_dtype)
+    tier = tier_bytes(sizes)
+    check_disk(offload_dir, tier.disk_bytes)
+    staging = ram(False, {"disk_slots": tier.ram_bytes})
+    logger.info("megatrain: AdamW moments on disk (offload_dir=%s, offload_state=%r): %.2f GiB on disk, %.2f GiB "
+                "of RAM slots, %.2f GiB read and written per optimizer step", offload_dir, offload_state,
+                tier.disk_bytes / GiB, tier.ram_bytes / GiB, tier.written_per_step / GiB)
+    return staging, tier
