@@ -66,8 +66,7 @@ class HostAdamW(torch.optim.Optimizer):
         if kernel not in ("torch", "native"):
             raise ValueError(f"HostAdamW kernel={kernel!r}; allowed: 'torch' or 'native'")
         self.store = store
-        self.offload_dir, self.offload_window = offload_dir, offload_window
-        self._pager = None  # PagedState when the moments live on disk (offload_dir)
+        self.offload_dir, self.offload_window, self._pager = offload_dir, offload_window, None  # _pager: PagedState
         self.device = device if device is not None else torch.device("cpu")  # where the uploads run
         self._native = None
         if kernel == "native":
@@ -139,8 +138,6 @@ class HostAdamW(torch.optim.Optimizer):
             from .paged_state import DEFAULT_WINDOW, PagedState
 
             self._pager = PagedState(self.offload_dir, specs, self.offload_window or DEFAULT_WINDOW)
-            logger.info("megatrain: AdamW moments on disk in %s (%.2f GiB; %.2f GiB of RAM slots)",
-                        self._pager.run_dir, self._pager.disk_bytes() / 2**30, self._pager.ram_bytes() / 2**30)
         for u, groups in self._plan.items():
             if self._pager is None:
                 self._exp_avg[u] = self.store.allocate(specs[u]["exp_avg"][0], torch.float32).zero_()
@@ -150,16 +147,14 @@ class HostAdamW(torch.optim.Optimizer):
         self._build_state_views()
 
     def state_spec(self, u: int) -> dict[str, tuple[int, torch.dtype]]:
-        """The contiguous state tensors of unit ``u``: name -> (elements, dtype). The disk tier pages
-        exactly these, as raw bytes."""
+        """Unit ``u``'s contiguous state tensors: name -> (elements, dtype); the disk tier pages these as bytes."""
         numel = self.store.buffers[u].master_host.numel()
         return {"exp_avg": (numel, torch.float32), "exp_avg_sq": (numel, torch.float32)}
 
     @contextlib.contextmanager
     def unit_state(self, u: int, write: bool = False):
-        """Unit ``u``'s state tensors (``state_spec``'s names), resident while the block runs; with
-        ``write=True`` what the block changed is kept (written back when the state is on disk).
-        Call it with no update running (after :meth:`synchronize`)."""
+        """Unit ``u``'s state tensors, resident while the block runs (no update running: after :meth:`synchronize`);
+        ``write=True``: what the block changed is kept (written back when the state is on disk)."""
         if self._pager is None:
             yield {"exp_avg": self._exp_avg[u], "exp_avg_sq": self._exp_avg_sq[u]}
             return
@@ -299,13 +294,10 @@ class HostAdamW(torch.optim.Optimizer):
                 if not self._queue:
                     return
                 job = self._queue.popleft()
-                upcoming = [j.unit for j in itertools.islice(self._queue, 0, self._pager_ahead())]
+                ahead = [j.unit for j in itertools.islice(self._queue, 0, self._pager.ahead if self._pager else 0)]
             if self._pager is not None:
-                self._pager.prefetch([job.unit] + upcoming)  # the exact next units: the order is known
+                self._pager.prefetch([job.unit] + ahead)  # the exact next units: the order is known
             self._run(job)
-
-    def _pager_ahead(self) -> int:
-        return len(self._pager._slots) - 2 if self._pager is not None else 0
 
     def _run(self, job: UnitJob, on_device: bool = False) -> None:
         """Run one job on this thread and mark its unit ready (with its error, if it failed)."""
@@ -326,19 +318,9 @@ class HostAdamW(torch.optim.Optimizer):
                 self._cond.notify_all()
 
     def _update(self, job: UnitJob, on_device: bool) -> None:
-        if self._pager is None:
+        # with the disk tier the moments' views are in a slot while the update runs
+        with self._pager.paged_in(job) if self._pager is not None else contextlib.nullcontext():
             self._update_resident(job)
-            return
-        flats = self._pager.acquire(job.unit)
-        try:
-            for w in job.work:
-                w.exp_avgs = [flats["exp_avg"][e.offset : e.offset + e.numel].view(e.shape) for e in w.entries]
-                w.exp_avg_sqs = [flats["exp_avg_sq"][e.offset : e.offset + e.numel].view(e.shape) for e in w.entries]
-            self._update_resident(job)
-        finally:
-            for w in job.work:
-                w.exp_avgs, w.exp_avg_sqs = [], []
-            self._pager.release(job.unit, dirty=True)
 
     def _update_resident(self, job: UnitJob) -> None:
         u = job.unit
@@ -386,17 +368,9 @@ class HostAdamW(torch.optim.Optimizer):
         self.synchronize()
         out = super().state_dict()
         if self._pager is not None:
-            index = {}
-            for group in self.param_groups:
-                for p in group["params"]:
-                    index.setdefault(p, len(index))
-            for u, groups in self._plan.items():
-                with self.unit_state(u) as flats:
-                    for entries in groups.values():
-                        for e in entries:
-                            for key in ("exp_avg", "exp_avg_sq"):
-                                out["state"][index[e.tensor]][key] = (
-                                    flats[key][e.offset : e.offset + e.numel].clone().view(e.shape))
+            from .paged_state import fill_state_dict
+
+            fill_state_dict(self, out)
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -17,6 +17,8 @@ The run directory and its files are removed by :meth:`close`, at garbage collect
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.disk_io import ALIGN, DONE, DiskIO, Pending, aligned_empty, align_up, create_run_dir, remove_run_dir
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 4
 """Slots in RAM: the unit updating, one written back behind it, two read ahead."""
@@ -74,9 +78,12 @@ class PagedState:
             self._files[u] = _UnitFile(name, fd, offset, tensors)
         slot_bytes = max([f.nbytes for f in self._files.values()] + [ALIGN])
         self._slots = [_Slot(aligned_empty(slot_bytes)) for _ in range(window)]
+        self.ahead = window - 2  # units read ahead of the one updating (one slot is left for the write-back)
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self.bytes_read = self.bytes_written = 0
+        logger.info("megatrain: optimizer state on disk in %s (%.2f GiB; %d RAM slots, %.2f GiB)", self.run_dir,
+                    self.disk_bytes() / 2**30, window, self.ram_bytes() / 2**30)
 
     @property
     def units(self) -> list[int]:
@@ -124,6 +131,20 @@ class PagedState:
                 f = self._files[u]
                 slot.write = self.io.write(f.fd, slot.buffer[: f.nbytes], 0)
                 self.bytes_written += f.nbytes
+
+    @contextlib.contextmanager
+    def paged_in(self, job):
+        """A HostAdamW ``UnitJob`` with its moments' views in a slot; written back after the block."""
+        flats = self.acquire(job.unit)
+        try:
+            for w in job.work:
+                w.exp_avgs = [_view(flats["exp_avg"], e) for e in w.entries]
+                w.exp_avg_sqs = [_view(flats["exp_avg_sq"], e) for e in w.entries]
+            yield
+        finally:
+            for w in job.work:
+                w.exp_avgs, w.exp_avg_sqs = [], []
+            self.release(job.unit, dirty=True)
 
     def flush(self) -> None:
         """Wait for every write-back; raise the first that failed."""
@@ -191,3 +212,21 @@ class PagedState:
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
+
+
+def _view(flat: torch.Tensor, e) -> torch.Tensor:
+    return flat[e.offset : e.offset + e.numel].view(e.shape)
+
+
+def fill_state_dict(optimizer, out: dict) -> None:
+    """Put the paged moments of HostAdamW ``optimizer`` into its ``state_dict()`` ``out`` (copies, in RAM)."""
+    index: dict = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index.setdefault(p, len(index))
+    for u, groups in optimizer._plan.items():
+        with optimizer.unit_state(u) as flats:
+            for entries in groups.values():
+                for e in entries:
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        out["state"][index[e.tensor]][key] = _view(flats[key], e).clone()
