@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -48,3 +49,151 @@ def test_moments_on_disk_equal_the_in_ram_run(tmp_path, accumulation):
     assert os.path.basename(run_dir).startswith(RUN_DIR_PREFIX) and (os.stat(run_dir).st_mode & 0o777) == 0o700
     optimizer.close()
     assert not os.path.exists(run_dir) and os.listdir(disk) == []
+
+
+def test_lora_with_moments_on_disk_equals_the_in_ram_run(tmp_path):
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        return peft.get_peft_model(tiny_model("llama"), config)
+
+    (tmp_path / "disk").mkdir()
+    _, ref, ref_losses = _run(tmp_path, "ram", model=lora())
+    trainer, got, losses = _run(tmp_path, "disk", tmp_path / "disk", model=lora())
+    assert trainer.optimizer.optimizer._pager is not None
+    assert losses == ref_losses
+    _assert_equal(state_of(ref), state_of(got))
+
+
+def _optimizer_files(checkpoint) -> dict[str, tuple]:
+    """Each shard's metadata and tensors' bytes (safetensors orders the metadata keys arbitrarily)."""
+    from safetensors import safe_open
+
+    folder, out = checkpoint / "megatrain_optimizer", {}
+    for name in sorted(os.listdir(folder)):
+        with safe_open(str(folder / name), framework="pt") as f:
+            out[name] = (f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()})
+    return out
+
+
+def test_resume_with_moments_on_disk_equals_the_uninterrupted_in_ram_run(tmp_path):
+    """Checkpoints are written from the tier (the same bytes as the in-RAM run's); a fresh model resumed
+    from one with the moments on disk ends where the uninterrupted in-RAM run ends."""
+    (tmp_path / "disk").mkdir()
+    args = dict(save_strategy="steps", save_steps=3)
+    _, ref, ref_losses = _run(tmp_path, "ram", **args)
+    _, _, losses = _run(tmp_path, "disk", tmp_path / "disk", **args)
+    assert losses == ref_losses
+    assert _optimizer_files(tmp_path / "ram" / "checkpoint-3") == _optimizer_files(tmp_path / "disk" / "checkpoint-3")
+    resumed = tiny_model("llama", seed=9)
+    config = MegaTrainConfig(offload_dir=str(tmp_path / "disk"), offload_state="moments")
+    trainer, resumed_losses = train(resumed, training_args(tmp_path / "disk", **args),
+                                    callbacks=[MegaTrainPlugin(config)],
+                                    resume=str(tmp_path / "disk" / "checkpoint-3"))
+    assert resumed_losses == ref_losses[len(ref_losses) // 2:]
+    _assert_equal(state_of(ref), state_of(resumed))
+    assert _optimizer_files(tmp_path / "ram" / "checkpoint-6") == _optimizer_files(tmp_path / "disk" / "checkpoint-6")
+
+
+def test_state_dict_and_load_state_dict_go_through_the_tier(tmp_path):
+    from megatrain_hf import attach
+
+    def run(offload_dir):
+        model = tiny_model("llama")
+        engine = attach(model, MegaTrainConfig())
+        opt = HostAdamW(model.parameters(), engine.store, lr=1e-2, offload_dir=offload_dir)
+        for seed in range(2):
+            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    (tmp_path / "d").mkdir()
+    _, ram = run(None)
+    _, disk = run(str(tmp_path / "d"))
+    a, b = ram.state_dict(), disk.state_dict()
+    assert a["state"].keys() == b["state"].keys()
+    for i in a["state"]:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a["state"][i][key], b["state"][i][key]), (i, key)
+    fresh_model = tiny_model("llama")
+    fresh = HostAdamW(fresh_model.parameters(), attach(fresh_model).store, offload_dir=str(tmp_path / "d"))
+    fresh.load_state_dict(a)
+    c = fresh.state_dict()
+    for i in a["state"]:
+        assert torch.equal(a["state"][i]["exp_avg_sq"], c["state"][i]["exp_avg_sq"])
+    for opt in (ram, disk, fresh):
+        opt.close()
+    assert os.listdir(tmp_path / "d") == []
+
+
+# ---------------------------------------------------------------------------------- bad inputs
+def test_offload_dir_missing_or_a_file_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"offload_dir='.*nope' does not exist\. Fix: create it"):
+        MegaTrainConfig(offload_dir=str(tmp_path / "nope"))
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match=r"offload_dir='.*f' is a file, not a directory"):
+        MegaTrainConfig(offload_dir=str(tmp_path / "f"))
+    with pytest.raises(ValueError, match=r"MegaTrainConfig.offload_state='masters'; allowed: 'auto' or 'moments'"):
+        MegaTrainConfig(offload_state="masters")
+
+
+def test_read_only_offload_dir_is_refused(tmp_path):
+    target = tmp_path / "ro"
+    target.mkdir()
+    if os.geteuid() != 0:
+        target.chmod(0o500)
+    elif subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(target)],
+                        capture_output=True).returncode != 0:
+        pytest.skip("running as root without permission to mount a read-only filesystem")
+    try:
+        with pytest.raises(ValueError, match=r"offload_dir='.*ro' is not writable by this process "
+                                             r"\((no write permission|Read-only file system)\)\. Fix"):
+            MegaTrainConfig(offload_dir=str(target))
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(target)], check=True)
+        target.chmod(0o700)
+
+
+def test_a_disk_too_small_is_refused_before_allocating(tmp_path, monkeypatch):
+    from megatrain_hf import attach
+    from megatrain_hf.memory import disk
+
+    (tmp_path / "d").mkdir()
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**40, 2**40 - 2**29, 2**29))
+    model = tiny_model("llama")
+    with pytest.raises(MemoryError, match=r"disk tier needs 0\.00 GiB in offload_dir=.* \(\+ 1\.00 GiB headroom\) but "
+                                          r"its filesystem has 0\.50 GiB free(.|\n)*short by +0\.50 GiB"):
+        attach(model, MegaTrainConfig(offload_dir=str(tmp_path / "d"), offload_state="moments"))
+    assert not hasattr(model, "_megatrain_engine") and os.listdir(tmp_path / "d") == []
+
+
+def test_auto_puts_the_moments_on_disk_only_when_ram_is_short(tmp_path, monkeypatch):
+    from megatrain_hf import attach
+    from megatrain_hf.memory import host
+    from megatrain_hf.memory.disk import tier_bytes
+
+    (tmp_path / "d").mkdir()
+    config = MegaTrainConfig(offload_dir=str(tmp_path / "d"))
+    assert attach(tiny_model("llama", num_hidden_layers=8), config).state_tier.on_disk is False  # RAM is plenty
+    model = tiny_model("llama", num_hidden_layers=8)
+    units = [(n, m) for n, m in zip(*_located(model))]
+    tiers = host.host_breakdown_for_units(units, compute_dtype=torch.float32, staging=False)
+    slots = tier_bytes(host.unit_sizes(units, compute_dtype=torch.float32)).ram_bytes
+    with_moments = sum(tiers.values())
+    current = sum(p.numel() * 4 for p in model.parameters())
+    assert slots < tiers["exp_avg"] * 2
+    available = host.DEFAULT_HEADROOM_BYTES + with_moments - 1 - current  # short by one byte with the moments
+    monkeypatch.setattr(host, "available_host_bytes", lambda: available)
+    engine = attach(model, config)
+    assert engine.state_tier.on_disk is True and engine.state_tier.ram_bytes == slots
+
+
+def _located(model):
+    from megatrain_hf.hf.families import family_of
+
+    located = family_of(model).locate(model)
+    return located.names, located.modules

@@ -201,9 +201,17 @@ def check_offload_dir(offload_dir) -> str:
     if not os.path.isdir(path):
         raise ValueError(f"offload_dir={str(offload_dir)!r} is a file, not a directory. Fix: point offload_dir at "
                          "a directory (megatrain creates its own sub-directory inside it).")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise ValueError(f"offload_dir={str(offload_dir)!r} is not writable by this process. Fix: choose a "
-                         f"directory you can write to, or change its permissions (chmod u+wx {path}).")
+    reason = None if os.access(path, os.W_OK | os.X_OK) else "no write permission"
+    if reason is None:
+        try:  # a read-only filesystem (or root on one) passes os.access: try it
+            os.close(os.open(os.path.join(path, f".megatrain-probe-{os.getpid()}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY,
+                             0o600))
+            os.unlink(os.path.join(path, f".megatrain-probe-{os.getpid()}"))
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+    if reason is not None:
+        raise ValueError(f"offload_dir={str(offload_dir)!r} is not writable by this process ({reason}). Fix: choose "
+                         f"a directory on a writable local disk, or change its permissions (chmod u+wx {path}).")
     return path
 
 

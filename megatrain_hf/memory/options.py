@@ -27,6 +27,13 @@ def parse_size(name: str, value) -> int | None:
     )
 
 
+def _check_offload_dir(name: str, value) -> None:
+    if value is not None:
+        from ..core.disk_io import check_offload_dir
+
+        check_offload_dir(value)
+
+
 @dataclass(kw_only=True)
 class MemoryOptions:
     pin_memory: bool | Literal["auto"] = "auto"
@@ -69,7 +76,7 @@ class MemoryOptions:
     memory than it will grant (e.g. VMs whose RAM grows on use): offloaded activation checkpoints
     then also take what they need without asking the OS first."""
 
-    offload_dir: str | None = None
+    offload_dir: Annotated[str | None, _check_offload_dir] = None
     """A directory on a local disk for the disk tier ([disk tier](disk-tier.md)): with it, the AdamW
     moments (8 B per trainable parameter) can live in files there instead of host RAM, read a few
     units ahead of the update and written back behind it (the order is known: exact prefetch).
