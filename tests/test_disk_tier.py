@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import subprocess
 
@@ -197,3 +198,105 @@ def _located(model):
 
     located = family_of(model).locate(model)
     return located.names, located.modules
+
+
+def test_a_write_failing_mid_run_raises_in_the_training_thread(tmp_path, monkeypatch):
+    """A full disk mid-run (ENOSPC from pwritev in a pool thread) stops training promptly, naming the file
+    and the bytes; the pool thread does not swallow it and nothing hangs."""
+    from transformers import TrainerCallback
+
+    from megatrain_hf.core import disk_io
+
+    real = os.pwritev
+    full = {"on": False}
+
+    def pwritev(fd, buffers, offset):
+        if full["on"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, buffers, offset)
+
+    class FillTheDisk(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            full["on"] = state.global_step >= 2
+
+    monkeypatch.setattr(disk_io.os, "pwritev", pwritev)
+    (tmp_path / "d").mkdir()
+    config = MegaTrainConfig(offload_dir=str(tmp_path / "d"), offload_state="moments")
+    with pytest.raises((OSError, RuntimeError)) as info:
+        train(tiny_model("llama"), training_args(tmp_path / "run"), callbacks=[MegaTrainPlugin(config), FillTheDisk()])
+    text = str(info.value) + str(info.value.__cause__)
+    assert re.search(r"writing \d+ bytes at offset \d+ of .*/megatrain-state-[^/]+/unit-\d{5}\.state failed: No space "
+                     r"left on device \(the disk is full", text), text
+
+
+_KILLED_CHILD = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from transformers import TrainerCallback
+from helpers import tiny_model, train, training_args
+from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
+from megatrain_hf.core import disk_io
+
+real, armed = os.pwritev, []
+def pwritev(fd, buffers, offset):  # SIGKILL in the middle of step 5's write-back (after its first piece)
+    if armed and len(armed) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    armed and armed.append(1)
+    return real(fd, buffers, offset)
+disk_io.os.pwritev = pwritev
+
+class Arm(TrainerCallback):
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 4:
+            armed.append(1)
+
+config = MegaTrainConfig(offload_dir={disk!r}, offload_state="moments")
+train(tiny_model("llama"), training_args({out!r}, save_strategy="steps", save_steps=2),
+      callbacks=[MegaTrainPlugin(config), Arm()])
+"""
+
+
+@pytest.mark.slow  # ~20 s: a child process trains until it is killed
+def test_sigkill_during_write_back_then_resume_equals_the_uninterrupted_run(tmp_path):
+    import sys
+
+    disk, out = tmp_path / "disk", tmp_path / "run"
+    disk.mkdir()
+    code = _KILLED_CHILD.format(tests=os.path.dirname(__file__), disk=str(disk), out=str(out))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert child.returncode == -9, child.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2", "checkpoint-4"]
+    _, ref, ref_losses = _run(tmp_path, "ram")
+    resumed = tiny_model("llama", seed=9)
+    config = MegaTrainConfig(offload_dir=str(disk), offload_state="moments")
+    _, losses = train(resumed, training_args(out, save_strategy="steps", save_steps=2),
+                      callbacks=[MegaTrainPlugin(config)], resume=str(out / "checkpoint-4"))
+    assert losses == ref_losses[8:]
+    _assert_equal(state_of(ref), state_of(resumed))
+
+
+def test_the_run_directory_is_removed_on_ctrl_c(tmp_path):
+    import sys
+
+    code = ("import torch\nfrom megatrain_hf.optim.paged_state import PagedState\n"
+            f"p = PagedState({str(tmp_path)!r}, {{0: {{'exp_avg': (1000, torch.float32)}}}})\n"
+            "import os; assert os.listdir(p.run_dir) == ['unit-00000.state']\n"
+            "raise KeyboardInterrupt\n")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "KeyboardInterrupt" in child.stderr and child.returncode != 0
+    assert os.listdir(tmp_path) == []
+
+
+def test_init_offload_dir_trains_with_the_moments_on_disk(tmp_path):
+    import megatrain_hf as mt
+
+    (tmp_path / "d").mkdir()
+    config = mt.init(offload_dir=str(tmp_path / "d"), offload_state="moments")
+    try:
+        assert config.offload_dir == str(tmp_path / "d")
+        trainer = mt.Trainer(model=tiny_model("llama"), args=training_args(tmp_path / "run", max_steps=2),
+                             train_dataset=RandomTokens())
+        trainer.train()
+        assert trainer.optimizer.optimizer._pager is not None
+    finally:
+        mt.disable()

@@ -97,12 +97,22 @@ class PagedState:
 
     # ------------------------------------------------------------------ paging
     def prefetch(self, units: list[int]) -> None:
-        """Start reading ``units`` (in this order) into free slots; stop at the first that finds none."""
+        """Start reading ``units`` (in this order) into free slots; stop at the first that finds none.
+        Never raises: a failed write-back stops it, and the next :meth:`acquire` raises that failure."""
         with self._lock:
-            self._poll()
+            for slot in self._slots:
+                if slot.write.done():
+                    self._wait(slot.write)
+            if self._error is not None:
+                return
             for u in units:
-                if self._slot_of(u) is None and not self._start_read(u, keep=units, block=False):
-                    return
+                try:
+                    if self._slot_of(u) is None and not self._start_read(u, keep=units, block=False):
+                        return
+                except BaseException:
+                    if self._error is None:
+                        raise
+                    return  # a write-back failed meanwhile: kept in self._error, raised by acquire
 
     def acquire(self, u: int) -> dict[str, torch.Tensor]:
         """Unit ``u``'s state tensors, resident (read now if no prefetch brought them); views of a slot."""
