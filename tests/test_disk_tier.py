@@ -300,3 +300,29 @@ def test_init_offload_dir_trains_with_the_moments_on_disk(tmp_path):
         assert trainer.optimizer.optimizer._pager is not None
     finally:
         mt.disable()
+
+
+def test_estimate_prints_the_disk_tier(tmp_path, capsys):
+    import json
+
+    from megatrain_hf.cli.estimate import estimate_main
+    from megatrain_hf.memory.plan import plan_memory
+    from megatrain_hf.memory.shapes import PRESETS
+
+    assert estimate_main(["--model", "llama-7b", "--offload-dir", str(tmp_path), "--disk-gib", "60",
+                          "--host-gib", "80", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["disk_tier"]
+    plan = plan_memory(PRESETS["llama-7b"], seq_len=4096, micro_batch=1, grad_accum=1)
+    moments = plan.host_exp_avg + plan.host_exp_avg_sq
+    assert moments <= d["disk_bytes"] < moments + 2 * 4096 * (PRESETS["llama-7b"].layers + 3)
+    assert d["read_per_step_bytes"] == d["written_per_step_bytes"] == d["disk_bytes"]
+    assert d["host_ram_bytes"] == plan.host_total - moments + d["ram_window_bytes"]
+    assert d["fits"] is True and d["disk_free_bytes"] == 60 * 2**30
+    # the largest depth: one more layer would overflow RAM or disk
+    assert estimate_main(["--model", "llama-7b", "--disk-gib", "20", "--host-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "-> does NOT fit" in out and "TB written per 1000 steps" in out
+    layers = int(re.search(r"largest depth that fits RAM \+ disk: (\d+) layers", out).group(1))
+    assert 0 < layers < 32
+    assert estimate_main(["--model", "llama-7b", "--offload-dir", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -105,3 +105,39 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
                 "of RAM slots, %.2f GiB read and written per optimizer step", offload_dir, offload_state,
                 tier.disk_bytes / GiB, tier.ram_bytes / GiB, tier.written_per_step / GiB)
     return staging, tier
+
+
+# ---------------------------------------------------------------------------------- planning from a shape
+def shape_tier(shape, compute_dtype: str = "bf16", lora_rank: int | None = None,
+               window: int = DEFAULT_WINDOW) -> DiskTier:
+    """:func:`tier_bytes` of a model shape (``memory/shapes.py``), as the store would lay it out."""
+    from .plan import _DTYPE_BY_NAME, LORA_TARGETS, _layout
+    from ..core.layout import lay_out
+
+    dtype = _DTYPE_BY_NAME[compute_dtype]
+    return tier_bytes([lay_out(u.specs(dtype)) for u in _layout(shape, lora_rank, LORA_TARGETS)], window)
+
+
+def ram_with_tier(plan, tier: DiskTier) -> int:
+    """Host RAM of ``plan`` (``MemoryPlan``) with its moments on disk: their window instead of them."""
+    return plan.host_total - plan.host_exp_avg - plan.host_exp_avg_sq + tier.ram_bytes
+
+
+def deepest_with_tier(shape, ram_available: int, disk_free: int, plan_of) -> tuple[int, int]:
+    """The most layers of ``shape`` whose RAM (moments on disk) and disk both fit; (layers, params).
+
+    ``plan_of(shape)``: the ``MemoryPlan`` with the caller's options. Both sides grow with depth, so
+    a bisection finds it (0 when not even one layer fits)."""
+    def fits(layers: int) -> bool:
+        plan = plan_of(shape.with_layers(layers))
+        tier = shape_tier(plan.shape, plan.compute_dtype, plan.lora_rank)
+        return (ram_with_tier(plan, tier) + host_memory.DEFAULT_HEADROOM_BYTES <= ram_available
+                and tier.disk_bytes + DISK_HEADROOM_BYTES <= disk_free)
+
+    lo, hi = 0, 1
+    while fits(hi) and hi < 1 << 16:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, shape.with_layers(lo).params() if lo else 0
