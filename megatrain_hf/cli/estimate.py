@@ -139,13 +139,12 @@ def estimate_main(argv: list[str] | None = None) -> int:
 
 def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int) -> dict:
     """The disk tier's numbers (AdamW moments on disk) for ``plan``, against RAM and free disk."""
-    from ..core.disk_io import check_offload_dir
     from ..memory import disk
 
     if args.disk_gib is not None:
         free, where = int(args.disk_gib * GiB), "given by --disk-gib"
     else:
-        free, where = disk.disk_free_bytes(check_offload_dir(args.offload_dir)), f"free in {args.offload_dir}"
+        free, where = disk.disk_free_bytes(disk.check_offload_dir(args.offload_dir)), f"free in {args.offload_dir}"
     tier = disk.shape_tier(shape, plan.compute_dtype, args.lora_rank)
     ram = disk.ram_with_tier(plan, tier)
 
