@@ -36,18 +36,21 @@ class DiskTier:
     """The moments' placement and its bytes."""
 
     on_disk: bool
+    units: tuple[int, ...] = ()  # the units whose moments are on disk (the others' are in RAM)
     disk_bytes: int = 0  # the files of the tier
     ram_bytes: int = 0  # the RAM window (slots) that pages them
     read_per_step: int = 0  # bytes read from disk per optimizer step (every unit once)
     written_per_step: int = 0  # bytes written per optimizer step (every unit once)
 
 
-def tier_bytes(sizes: list[UnitSizes], window: int = DEFAULT_WINDOW) -> DiskTier:
-    """The moments of units laid out as ``sizes`` on disk: per unit one file, each moment ALIGN-aligned."""
-    per_unit = [2 * align_up(MOMENT_BYTES // 2 * s.n_train) for s in sizes if s.n_train]
+def tier_bytes(sizes: list[UnitSizes], window: int = DEFAULT_WINDOW, units: list[int] | None = None) -> DiskTier:
+    """The moments of ``units`` (default: every unit with trainable parameters) of units laid out as
+    ``sizes`` on disk: per unit one file, each moment ALIGN-aligned; ``window`` slots of the largest in RAM."""
+    units = [u for u, s in enumerate(sizes) if s.n_train] if units is None else units
+    per_unit = [2 * align_up(MOMENT_BYTES // 2 * sizes[u].n_train) for u in units]
     total = sum(per_unit)
     slot = max(per_unit + [ALIGN])
-    return DiskTier(True, total, window * slot, total, total)
+    return DiskTier(True, tuple(units), total, min(window, len(units)) * slot, total, total)
 
 
 def disk_free_bytes(path: str) -> int:
@@ -77,8 +80,9 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
                 offload_state: str, check_ram: bool) -> tuple[bool, DiskTier]:
     """The engine's admission with the disk tier: (keep the staging copy, the moments' placement).
 
-    ``offload_state="auto"``: the moments stay in RAM when the plan fits there, else go to disk;
-    ``"moments"``: on disk whatever RAM there is. Without ``offload_dir``: RAM (``host.admit``).
+    ``offload_state="auto"``: the moments stay in RAM when the plan fits there, else the fewest units'
+    moments go to disk (the last units in update order first) that make it fit; ``"moments"``: every
+    unit's on disk whatever RAM there is. Without ``offload_dir``: RAM (``host.admit``).
     """
     staging_default = host_staging is not False
 
@@ -98,12 +102,30 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
             pass
     sizes = host_memory.unit_sizes(units, compute_dtype=compute_dtype, embedding_units=embedding_units,
                                    frozen_in_wire_dtype=frozen_in_wire_dtype)
-    tier = tier_bytes(sizes)
+    with_state = [u for u, s in enumerate(sizes) if s.n_train]
+
+    def split(k: int) -> tuple[DiskTier, dict]:  # the last k units' moments on disk
+        tier = tier_bytes(sizes, units=with_state[len(with_state) - k:])
+        kept = sum(MOMENT_BYTES * sizes[u].n_train for u in with_state[: len(with_state) - k])
+        return tier, {"disk_slots": tier.ram_bytes, "moments_in_ram": kept}
+
+    k = len(with_state)
+    if offload_state == "auto" and check_ram:
+        lo, hi = 0, k  # fits with hi on disk (else the full split raises below with its arithmetic)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                ram(False, split(mid)[1])
+                hi = mid
+            except MemoryError:
+                lo = mid
+        k = hi
+    tier, extra = split(k)
     check_disk(offload_dir, tier.disk_bytes)
-    staging = ram(False, {"disk_slots": tier.ram_bytes})
-    logger.info("megatrain: AdamW moments on disk (offload_dir=%s, offload_state=%r): %.2f GiB on disk, %.2f GiB "
-                "of RAM slots, %.2f GiB read and written per optimizer step", offload_dir, offload_state,
-                tier.disk_bytes / GiB, tier.ram_bytes / GiB, tier.written_per_step / GiB)
+    staging = ram(False, extra)
+    logger.info("megatrain: AdamW moments of %d of %d units on disk (offload_dir=%s, offload_state=%r): %.2f GiB "
+                "on disk, %.2f GiB of RAM slots, %.2f GiB read and written per optimizer step", k, len(with_state),
+                offload_dir, offload_state, tier.disk_bytes / GiB, tier.ram_bytes / GiB, tier.written_per_step / GiB)
     return staging, tier
 
 

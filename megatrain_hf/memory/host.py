@@ -32,6 +32,7 @@ TIER_LABELS = {
     "frozen": "frozen weights (wire dtype)",
     "checkpoints": "offloaded activation checkpoints",
     "disk_slots": "RAM window of the disk tier",
+    "moments_in_ram": "AdamW moments kept in RAM",
 }
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import logging
 import queue
 import threading
@@ -56,6 +55,7 @@ class HostAdamW(torch.optim.Optimizer):
         device: torch.device | None = None,
         offload_dir: str | None = None,
         offload_window: int | None = None,
+        offload_units=None,
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -67,6 +67,7 @@ class HostAdamW(torch.optim.Optimizer):
             raise ValueError(f"HostAdamW kernel={kernel!r}; allowed: 'torch' or 'native'")
         self.store = store
         self.offload_dir, self.offload_window, self._pager = offload_dir, offload_window, None  # _pager: PagedState
+        self._offload_units = None if offload_units is None else frozenset(offload_units)  # None: all units
         self.device = device if device is not None else torch.device("cpu")  # where the uploads run
         self._native = None
         if kernel == "native":
@@ -137,9 +138,10 @@ class HostAdamW(torch.optim.Optimizer):
         if self.offload_dir is not None:
             from .paged_state import DEFAULT_WINDOW, PagedState
 
-            self._pager = PagedState(self.offload_dir, specs, self.offload_window or DEFAULT_WINDOW)
+            paged = {u: spec for u, spec in specs.items() if self._offload_units is None or u in self._offload_units}
+            self._pager = PagedState(self.offload_dir, paged, self.offload_window or DEFAULT_WINDOW)
         for u, groups in self._plan.items():
-            if self._pager is None:
+            if not self._paged(u):
                 self._exp_avg[u] = self.store.allocate(specs[u]["exp_avg"][0], torch.float32).zero_()
                 self._exp_avg_sq[u] = self.store.allocate(specs[u]["exp_avg_sq"][0], torch.float32).zero_()
             for gi, entries in groups.items():
@@ -151,18 +153,12 @@ class HostAdamW(torch.optim.Optimizer):
         numel = self.store.buffers[u].master_host.numel()
         return {"exp_avg": (numel, torch.float32), "exp_avg_sq": (numel, torch.float32)}
 
-    @contextlib.contextmanager
     def unit_state(self, u: int, write: bool = False):
         """Unit ``u``'s state tensors, resident while the block runs (no update running: after :meth:`synchronize`);
         ``write=True``: what the block changed is kept (written back when the state is on disk)."""
-        if self._pager is None:
-            yield {"exp_avg": self._exp_avg[u], "exp_avg_sq": self._exp_avg_sq[u]}
-            return
-        flats = self._pager.acquire(u)
-        try:
-            yield flats
-        finally:
-            self._pager.release(u, dirty=write)
+        if self._paged(u):
+            return self._pager.resident(u, write)
+        return contextlib.nullcontext({"exp_avg": self._exp_avg[u], "exp_avg_sq": self._exp_avg_sq[u]})
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy a saved state into the host flats, tensor by tensor, from any device.
@@ -195,7 +191,7 @@ class HostAdamW(torch.optim.Optimizer):
         for u, groups in self._plan.items():
             for gi, entries in groups.items():
                 for e, step in zip(entries, self._steps[(u, gi)]):
-                    if self._pager is not None:  # the moments are paged in for the update only
+                    if self._paged(u):  # the moments are paged in for the update only
                         self.state[e.tensor] = {"step": step}
                         continue
                     self.state[e.tensor] = {
@@ -264,8 +260,8 @@ class HostAdamW(torch.optim.Optimizer):
             steps=[s["step"] for s in states],
             params=[e.tensor for e in updated],
             grads=[e.tensor.grad for e in updated],
-            exp_avgs=[s["exp_avg"] for s in states] if self._pager is None else [],  # paged: filled by _update
-            exp_avg_sqs=[s["exp_avg_sq"] for s in states] if self._pager is None else [],
+            exp_avgs=[s["exp_avg"] for s in states] if "exp_avg" in states[0] else [],  # paged: filled by _update
+            exp_avg_sqs=[s["exp_avg_sq"] for s in states] if "exp_avg" in states[0] else [],
             lr=lr.clone() if isinstance(lr, torch.Tensor) else lr,
             beta1=group["betas"][0],
             beta2=group["betas"][1],
@@ -294,9 +290,9 @@ class HostAdamW(torch.optim.Optimizer):
                 if not self._queue:
                     return
                 job = self._queue.popleft()
-                ahead = [j.unit for j in itertools.islice(self._queue, 0, self._pager.ahead if self._pager else 0)]
-            if self._pager is not None:
-                self._pager.prefetch([job.unit] + ahead)  # the exact next units: the order is known
+                ahead = [j.unit for j in self._queue if self._paged(j.unit)][: self._pager.ahead if self._pager else 0]
+            if self._paged(job.unit) or ahead:
+                self._pager.prefetch([job.unit] * self._paged(job.unit) + ahead)  # exact: the order is known
             self._run(job)
 
     def _run(self, job: UnitJob, on_device: bool = False) -> None:
@@ -319,8 +315,11 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _update(self, job: UnitJob, on_device: bool) -> None:
         # with the disk tier the moments' views are in a slot while the update runs
-        with self._pager.paged_in(job) if self._pager is not None else contextlib.nullcontext():
+        with self._pager.paged_in(job) if self._paged(job.unit) else contextlib.nullcontext():
             self._update_resident(job)
+
+    def _paged(self, u: int) -> bool:
+        return self._pager is not None and u in self._pager.units
 
     def _update_resident(self, job: UnitJob) -> None:
         u = job.unit

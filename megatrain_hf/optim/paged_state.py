@@ -86,8 +86,9 @@ class PagedState:
                     self.disk_bytes() / 2**30, window, self.ram_bytes() / 2**30)
 
     @property
-    def units(self) -> list[int]:
-        return list(self._files)
+    def units(self):
+        """The units paged here (a view of the files' keys: cheap membership tests)."""
+        return self._files.keys()
 
     def disk_bytes(self) -> int:
         return sum(f.nbytes for f in self._files.values())
@@ -143,18 +144,26 @@ class PagedState:
                 self.bytes_written += f.nbytes
 
     @contextlib.contextmanager
+    def resident(self, u: int, write: bool):
+        """Unit ``u``'s tensors while the block runs; ``write``: written back after it."""
+        flats = self.acquire(u)
+        try:
+            yield flats
+        finally:
+            self.release(u, dirty=write)
+
+    @contextlib.contextmanager
     def paged_in(self, job):
         """A HostAdamW ``UnitJob`` with its moments' views in a slot; written back after the block."""
-        flats = self.acquire(job.unit)
-        try:
-            for w in job.work:
-                w.exp_avgs = [_view(flats["exp_avg"], e) for e in w.entries]
-                w.exp_avg_sqs = [_view(flats["exp_avg_sq"], e) for e in w.entries]
-            yield
-        finally:
-            for w in job.work:
-                w.exp_avgs, w.exp_avg_sqs = [], []
-            self.release(job.unit, dirty=True)
+        with self.resident(job.unit, write=True) as flats:
+            try:
+                for w in job.work:
+                    w.exp_avgs = [_view(flats["exp_avg"], e) for e in w.entries]
+                    w.exp_avg_sqs = [_view(flats["exp_avg_sq"], e) for e in w.entries]
+                yield
+            finally:
+                for w in job.work:
+                    w.exp_avgs, w.exp_avg_sqs = [], []
 
     def flush(self) -> None:
         """Wait for every write-back; raise the first that failed."""
