@@ -146,15 +146,19 @@ def ram_with_tier(plan, tier: DiskTier) -> int:
 
 
 def deepest_with_tier(shape, ram_available: int, disk_free: int, plan_of) -> tuple[int, int]:
-    """The most layers of ``shape`` whose RAM (moments on disk) and disk both fit; (layers, params).
+    """The most layers of ``shape`` that RAM + disk hold: the moments that RAM cannot keep go to disk
+    (``offload_state="auto"``, a unit at a time); (layers, params).
 
     ``plan_of(shape)``: the ``MemoryPlan`` with the caller's options. Both sides grow with depth, so
     a bisection finds it (0 when not even one layer fits)."""
     def fits(layers: int) -> bool:
         plan = plan_of(shape.with_layers(layers))
         tier = shape_tier(plan.shape, plan.compute_dtype, plan.lora_rank)
-        return (ram_with_tier(plan, tier) + host_memory.DEFAULT_HEADROOM_BYTES <= ram_available
-                and tier.disk_bytes + DISK_HEADROOM_BYTES <= disk_free)
+        base = ram_with_tier(plan, tier) + host_memory.DEFAULT_HEADROOM_BYTES  # every moment on disk
+        slot = tier.ram_bytes // DEFAULT_WINDOW
+        to_disk = max(0, base + tier.disk_bytes - ram_available)  # moments RAM cannot keep
+        to_disk = min(tier.disk_bytes, -(-to_disk // slot) * slot if to_disk else 0)  # whole units (at most)
+        return base <= ram_available and to_disk + DISK_HEADROOM_BYTES <= disk_free
 
     lo, hi = 0, 1
     while fits(hi) and hi < 1 << 16:
