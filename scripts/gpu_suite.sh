@@ -42,9 +42,9 @@
 #                         megatrain, 8.7 s/step, fixed ~75 s                             ~165 s
 #   probe                 host update/copy-engine probe (scripts/host_probe.py)          ~20 s
 #   disk-13b              the disk tier (offload_dir=DISK_DIR, default /tmp/megatrain-disk, on the local
-#                         disk): raw rates (scripts/disk_rates.py, 16 GiB), the estimate, then a full
+#                         disk): raw rates (scripts/disk_rates.py, 8 GiB), the estimate, then a full
 #                         fine-tune of the Llama-2-13B shape (hidden 5120, fp32 masters, no host staging)
-#                         at 64K tokens/step (seq 4096 x mb 1 x ga 16), 1 warm-up + 2 measured steps,
+#                         at 64K tokens/step (seq 4096 x mb 1 x ga 16), 1 warm-up + 1 measured step,
 #                         as many of its 40 layers as RAM + free disk hold (the estimate's largest depth:
 #                         all 40 need ~194 GiB of fp32 state, more than 125 GiB RAM + 64 GiB disk)
 #                         not measured yet: ~60 s rates + ~110 s build + 3 x ~60 s/step   ~350 s
@@ -166,14 +166,14 @@ for stage in "${stages[@]}"; do
       rc=$?; [ -z "$DRY" ] && summary "probe rc=$rc $(tail -12 "$R/probe.log")";;
     disk-13b)
       D=${DISK_DIR:-/tmp/megatrain-disk}; [ -z "$DRY" ] && mkdir -p "$D"
-      run "$R/disk-rates.log" timeout "$(left 150)" python3 scripts/disk_rates.py --dir "$D" --gib 16 --threads 4 8
+      run "$R/disk-rates.log" timeout "$(left 150)" python3 scripts/disk_rates.py --dir "$D" --gib 8 --threads 4 8
       [ -z "$DRY" ] && summary "disk rates rc=$? $(tail -4 "$R/disk-rates.log" | tr -d '\n ')"
       # shellcheck disable=SC2086  # D13 are words
       run "$R/disk-13b-estimate.json" python3 -m megatrain_hf.cli estimate $D13 --no-host-staging --offload-dir "$D" --json
       layers=MAX_LAYERS
       [ -z "$DRY" ] && layers=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['disk_tier']['max_layers'])" \
         "$R/disk-13b-estimate.json") && summary "disk-13b: the estimate's largest depth: $layers layers"
-      bench_stage disk-13b "$D13 --layers $layers --warmup-steps 1 --steps 2 --systems megatrain --timeout 480 --dtype bf16 --device cuda" \
+      bench_stage disk-13b "$D13 --layers $layers --warmup-steps 1 --steps 1 --systems megatrain --timeout 480 --dtype bf16 --device cuda" \
         "{\"offload_dir\": \"$D\", \"host_staging\": false}"
       [ -z "$DRY" ] && rm -rf "$D";;
     baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b)
