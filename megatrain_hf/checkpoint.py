@@ -145,32 +145,33 @@ def _layout(optimizer, u: int) -> dict[str, list]:
 # ---------------------------------------------------------------------------------- save / load
 def save_optimizer(optimizer, folder: str) -> None:
     """Write ``optimizer``'s (a HostAdamW) state into ``folder``, one safetensors file per unit."""
-    from safetensors.torch import save_file
-
     optimizer.synchronize()
     os.makedirs(folder, exist_ok=True)
     hyper = json.dumps(_encode(_hyper(optimizer)))
     units = list(optimizer._plan)
     for u in units:
-        if optimizer.moments is None:
-            tensors = {"exp_avg": optimizer._exp_avg[u], "exp_avg_sq": optimizer._exp_avg_sq[u]}
-        else:
-            tensors = dict(optimizer.moments.tensors[u])
-        metadata = {
-            "format": FORMAT,
-            "optimizer_state": optimizer.format.mode,
-            "unit": str(u),
-            "unit_name": optimizer.store.names[u],
-            "units": json.dumps(units),
-            "numel": str(optimizer.store.buffers[u].master_host.numel()),
-            "steps": json.dumps(
-                {str(gi): [float(step) for step in optimizer._steps[(u, gi)]] for gi in optimizer._plan[u]}
-            ),
-            "layout": json.dumps(_layout(optimizer, u)),
-            "param_groups": hyper,
-        }
-        atomic_write(unit_file(folder, u), lambda tmp, t=tensors, m=metadata: save_file(t, tmp, metadata=m))
+        with optimizer.unit_state(u) as tensors:  # paged in from the disk tier when it is there
+            _save_unit(optimizer, folder, u, units, hyper, dict(tensors))
     fsync_path(folder)
+
+
+def _save_unit(optimizer, folder: str, u: int, units: list[int], hyper: str, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    metadata = {
+        "format": FORMAT,
+        "optimizer_state": optimizer.format.mode,
+        "unit": str(u),
+        "unit_name": optimizer.store.names[u],
+        "units": json.dumps(units),
+        "numel": str(optimizer.store.buffers[u].master_host.numel()),
+        "steps": json.dumps(
+            {str(gi): [float(step) for step in optimizer._steps[(u, gi)]] for gi in optimizer._plan[u]}
+        ),
+        "layout": json.dumps(_layout(optimizer, u)),
+        "param_groups": hyper,
+    }
+    atomic_write(unit_file(folder, u), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _read_headers(folder: str, expected_units: list[int] | None) -> dict[int, dict]:
@@ -241,13 +242,9 @@ def load_optimizer(optimizer, folder: str) -> None:
             f"{len(optimizer.param_groups)}"
         )
     for u, meta in headers.items():
-        with safe_open(unit_file(folder, u), framework="pt") as f:
-            if optimizer.moments is None:
-                optimizer._exp_avg[u].copy_(f.get_tensor("exp_avg"))
-                optimizer._exp_avg_sq[u].copy_(f.get_tensor("exp_avg_sq"))
-            else:
-                for name, tensor in optimizer.moments.tensors[u].items():
-                    tensor.copy_(f.get_tensor(name))
+        with safe_open(unit_file(folder, u), framework="pt") as f, optimizer.unit_state(u, write=True) as tensors:
+            for name, tensor in tensors.items():  # exp_avg / exp_avg_sq, or the compressed codes and scales
+                tensor.copy_(f.get_tensor(name))
         for gi, saved in json.loads(meta["steps"]).items():
             counters = optimizer._steps[(u, int(gi))]
             saved = saved if isinstance(saved, list) else [saved] * len(counters)  # one value per group

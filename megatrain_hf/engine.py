@@ -43,6 +43,7 @@ from .hf.quantize import quantized_weights
 from .memory.budget import GpuBudget
 from .memory import activations
 from .memory import host as host_memory
+from .memory.disk import admit_tiers
 from .memory.host import DEFAULT_HEADROOM_BYTES
 from .runtime import layer_major
 from .runtime.streamed_call import Unit, UnitRunner
@@ -66,11 +67,14 @@ class Engine:
         named = list(zip(located.names, located.modules))
         schemes = quantized_weights(model, config.base_quantization)
         quantize = (lambda p: schemes.get(id(p))) if schemes else None
-        staging = config.host_staging is not False
-        if config.check_host_memory:
-            moments = config.optimizer_state if config.replace_adamw else False
-            staging = host_memory.admit(named, located.embedding_units, dtype, config.host_staging, moments,
-                                        frozen_in_wire_dtype, quantize)
+        if config.offload_dir is not None and config.device_update:
+            raise ValueError(f"MegaTrainConfig(offload_dir={config.offload_dir!r}) does not combine with "
+                             "device_update=True (the device's share would keep the moments it pages on the GPU). "
+                             "Fix: leave device_update off, or offload_dir unset.")
+        moments = config.optimizer_state if config.replace_adamw else False
+        staging, self.state_tier = admit_tiers(named, located.embedding_units, dtype, config.host_staging,
+                                               moments, frozen_in_wire_dtype, config.offload_dir,
+                                               config.offload_state, config.check_host_memory, quantize)
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()

@@ -41,6 +41,13 @@
 #   7b                    7 B (Llama-2 shape), 8 x 8K (seq 4096 x mb 2 x ga 8), 3 warm-up + 4 measured:
 #                         megatrain, 8.7 s/step, fixed ~75 s                             ~165 s
 #   probe                 host update/copy-engine probe (scripts/host_probe.py)          ~20 s
+#   disk-13b              the disk tier (offload_dir=DISK_DIR, default /tmp/megatrain-disk, on the local
+#                         disk): raw rates (scripts/disk_rates.py, 8 GiB), the estimate, then a full
+#                         fine-tune of the Llama-2-13B shape (hidden 5120, fp32 masters, no host staging)
+#                         at 64K tokens/step (seq 4096 x mb 1 x ga 16), 1 warm-up + 1 measured step,
+#                         as many of its 40 layers as RAM + free disk hold (the estimate's largest depth:
+#                         all 40 need ~194 GiB of fp32 state, more than 125 GiB RAM + 64 GiB disk)
+#                         not measured yet: ~60 s rates + ~110 s build + 3 x ~60 s/step   ~350 s
 #   NAME (letters, digits, _) with BENCH_ARGS_NAME set: `megatrain bench $BENCH_ARGS_NAME`, megatrain's
 #                         options from CONFIG_NAME (JSON), earlier results in out/NAME merged (--merge)
 # The DeepSpeed warm-up is 8 steps at 16K: with 2, its measured steps still got faster
@@ -72,8 +79,9 @@ ARGS[1.36b]="--model llama-1.36b --seq-len 2048 --micro-batch 8 --grad-accum 4 -
 ARGS[soak]="--model llama-1.36b --seq-len 4096 --micro-batch 2 --grad-accum 1 --warmup-steps 5 --steps 500 --systems megatrain --timeout 540"
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
 EST=([tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
-     [1.36b]=115 [7b]=165 [soak]=330 [probe]=20)
-ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak probe"
+     [1.36b]=115 [7b]=165 [soak]=330 [probe]=20 [disk-13b]=350)
+ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak probe disk-13b"
+D13="--model llama-13b --seq-len 4096 --micro-batch 1 --grad-accum 16"
 
 DRY=${DRY_RUN:-}
 [ "$DRY" = 0 ] && DRY=
@@ -158,6 +166,18 @@ for stage in "${stages[@]}"; do
     probe)
       run "$R/probe.log" timeout "$(left 120)" python3 scripts/host_probe.py
       rc=$?; [ -z "$DRY" ] && summary "probe rc=$rc $(tail -12 "$R/probe.log")";;
+    disk-13b)
+      D=${DISK_DIR:-/tmp/megatrain-disk}; [ -z "$DRY" ] && mkdir -p "$D"
+      run "$R/disk-rates.log" timeout "$(left 150)" python3 scripts/disk_rates.py --dir "$D" --gib 8 --threads 4 8
+      [ -z "$DRY" ] && summary "disk rates rc=$? $(tail -4 "$R/disk-rates.log" | tr -d '\n ')"
+      # shellcheck disable=SC2086  # D13 are words
+      run "$R/disk-13b-estimate.json" python3 -m megatrain_hf.cli estimate $D13 --no-host-staging --offload-dir "$D" --json
+      layers=MAX_LAYERS
+      [ -z "$DRY" ] && layers=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['disk_tier']['max_layers'])" \
+        "$R/disk-13b-estimate.json") && summary "disk-13b: the estimate's largest depth: $layers layers"
+      bench_stage disk-13b "$D13 --layers $layers --warmup-steps 1 --steps 1 --systems megatrain --timeout 480 --dtype bf16 --device cuda" \
+        "{\"offload_dir\": \"$D\", \"host_staging\": false}"
+      [ -z "$DRY" ] && rm -rf "$D";;
     baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b|soak)
       bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda";;
     *)
