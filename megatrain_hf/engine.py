@@ -76,12 +76,15 @@ class Engine:
             raise ValueError("megatrain: device_update=True is not supported under data parallelism (the GPU "
                              "share of the update does not know the unit owners). Fix: device_update=False, or "
                              "data_parallel=False to train each rank alone.")
+        # receive slots (data parallelism): on CUDA the unit computing + the prefetched one + one
+        # spare, and a gradient slot per send in flight; on the CPU one of each
+        slots = (3, MAX_PENDING_SENDS + 2) if (streams is not None or device.type == "cuda") else (1, 1)
         try:
             self.store = HostStore(named, compute_dtype=dtype, pin=config.resolve_pin(device),
                                    embedding_units=located.embedding_units, staging=staging,
                                    frozen_in_wire_dtype=frozen_in_wire_dtype,
                                    sources=deferred.source if deferred is not None else None,
-                                   sharding=self.sharding, grad_slots=MAX_PENDING_SENDS + 2)
+                                   sharding=self.sharding, slots=slots)
         finally:
             if deferred is not None:
                 deferred.close()

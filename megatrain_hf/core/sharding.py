@@ -115,18 +115,18 @@ class UnitSharding:
 
 class ReceiveSlots:
     """The receive slots of the units another rank owns: a ring of master (and staging) slots, one
-    for the unit computing and those prefetched, and a ring of gradient slots, one per gradient
-    send still in flight. A unit is given the slot of its position among the remote units."""
+    for the unit computing and those being uploaded (``master_slots``), and a ring of gradient
+    slots, one per gradient send still in flight (``grad_slots``). On the CPU one of each: the
+    computation reads the slot directly and the gradients are reduced before the next unit's land.
+    A unit is given the slot of its position among the remote units."""
 
-    MASTER_SLOTS = 3
-
-    def __init__(self, store, grad_slots: int) -> None:
+    def __init__(self, store, master_slots: int, grad_slots: int) -> None:
         sizes = [store._sizes[u] for u in store.remote]
         largest = max(s.n_train for s in sizes)
         staged = max(s.n_staged for s in sizes)
-        self.masters = [store.allocate(largest, torch.float32) for _ in range(self.MASTER_SLOTS)]
-        self.grads = [store.allocate(largest, torch.float32) for _ in range(max(2, grad_slots))]
-        self.staging = ([store.allocate(staged, store.compute_dtype) for _ in range(self.MASTER_SLOTS)]
+        self.masters = [store.allocate(largest, torch.float32) for _ in range(master_slots)]
+        self.grads = [store.allocate(largest, torch.float32) for _ in range(grad_slots)]
+        self.staging = ([store.allocate(staged, store.compute_dtype) for _ in range(master_slots)]
                         if store.staging and staged else [])
         self.order = {u: i for i, u in enumerate(sorted(store.remote))}
 

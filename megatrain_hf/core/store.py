@@ -103,7 +103,7 @@ class HostStore:
         frozen_in_wire_dtype: bool = True,
         sources: Callable[[torch.Tensor], Callable[[torch.Tensor], None] | None] | None = None,
         sharding=None,
-        grad_slots: int = 2,
+        slots: tuple[int, int] = (1, 1),
     ) -> None:
         self.sharding = sharding  # core.sharding.UnitSharding under data parallelism, else None
         self.compute_dtype = compute_dtype
@@ -120,7 +120,7 @@ class HostStore:
         self._param_home: dict[int, tuple[int, Entry]] = {}
         self._sizes = self._plan(units, embedding_units)
         self.remote = self._remote_units()
-        self._slots = ReceiveSlots(self, grad_slots) if self.remote else None
+        self._slots = ReceiveSlots(self, *slots) if self.remote else None
         self._allocate(sources)
         self.gates = UnitGates(self.names)
 
