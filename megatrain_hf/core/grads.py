@@ -168,6 +168,9 @@ class GradSink:
             for e, g in hooked:
                 self._accumulate_hooked(e, g)
         if self.streams is None:
+            if u in self.store.remote:  # data parallelism, a unit another rank owns: sent as computed
+                self.store.grads_landed(u, {e.offset: g for e, g in merged})
+                return None
             for e, g in merged:
                 self.store.accumulate_grad(e, g)
             self.store.grads_landed(u)  # data parallelism: summed into the owner's accumulator

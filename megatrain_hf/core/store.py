@@ -257,20 +257,27 @@ class HostStore:
         if u in self.remote:
             self.buffers[u].staging_dirty = True  # the staging copy of the slot is the previous unit's
 
-    def grads_landed(self, u: int) -> None:
-        """Unit ``u``'s gradients of this backward are in the host flats: sum them into the owner's."""
+    def grads_landed(self, u: int, computed: dict | None = None) -> None:
+        """Unit ``u``'s gradients of this backward are here: sum them into the owner's, tensor by tensor.
+
+        ``computed`` ({entry offset: gradient}, the CPU path of a unit another rank owns): sent straight
+        from the computed gradients, so the gradient slot is never written (nor resident)."""
         if self.sharding is None or self.buffers[u].grad_host is None:
             return
         owned = self.owned_trainable(u)  # every rank sends unit u in the same backward (same graph)
         mine = self.sharding.owns(u)
         for e in owned:
-            if e.tensor.grad is None:  # no contribution here: a zero one (the region may be a reused slot)
-                self.grad_region(e).zero_()
-                if mine:
-                    e.tensor.grad = self.grad_region(e).view(e.shape)
-        self.sharding.reduce_grad(u, self.buffers[u].grad_host)
-        if not mine:
-            for e in owned:
+            g = computed.get(e.offset) if computed is not None and e.tensor.grad is None else None
+            if g is not None:  # a copy: a reduce may use a non-root's buffer as scratch
+                part = g.detach().reshape(-1).to(torch.float32, copy=True)
+            else:
+                part = self.grad_region(e)
+                if e.tensor.grad is None:  # no contribution here: a zero one (the region may be a reused slot)
+                    part.zero_()
+                    if mine:
+                        e.tensor.grad = part.view(e.shape)
+            self.sharding.reduce_grad(u, part)
+            if not mine:
                 e.tensor.grad = None  # the owner holds the sum (and the region may be a slot)
 
     def held_grads(self) -> list[torch.Tensor]:
