@@ -9,7 +9,8 @@ Each run is ``torchrun --nproc_per_node N`` of this file: every rank reads the m
 optimizer steps with plain ``Trainer`` + megatrain (fp32 on the CPU, AdamW, one sequence of 64
 tokens per rank and step) and reports its peak resident memory (Linux's VmHWM) and its peak
 proportional set size (PSS: pages shared between the ranks -- the torch and Python libraries --
-counted once over the host), sampled every 50 ms. ``--out`` gets the per-rank values and their
+counted once over the host), sampled every 50 ms, and its resident memory once the imports are done
+(``baseline``: what every process costs before any model). ``--out`` gets the per-rank values and their
 sums: the host's peak.
 """
 
@@ -53,6 +54,7 @@ def rank_main(args) -> None:
 
     import megatrain_hf
 
+    baseline_kib = _kib("/proc/self/status", "VmRSS")  # Python, torch, transformers, megatrain imported
     pss = PeakPss()
     pss.start()
 
@@ -77,7 +79,7 @@ def rank_main(args) -> None:
     pss.stop.set()
     pss.join()
     engine = megatrain_hf.engine_of(model)
-    result = {"rank": targs.process_index, "vmhwm_kib": _kib("/proc/self/status", "VmHWM"),
+    result = {"rank": targs.process_index, "baseline_kib": baseline_kib, "vmhwm_kib": _kib("/proc/self/status", "VmHWM"),
               "peak_pss_kib": pss.peak_kib, "store_bytes": engine.store.host_bytes(),
               "optimizer_bytes": sum(t.numel() * 4 for t in (*trainer.optimizer.optimizer._exp_avg.values(),
                                                              *trainer.optimizer.optimizer._exp_avg_sq.values())),
@@ -101,6 +103,7 @@ def launch(args) -> None:
     total = {"nproc": args.nproc, "ranks": ranks,
              "host_peak_rss_GiB": sum(r["vmhwm_kib"] for r in ranks) / 2**20,
              "host_peak_pss_GiB": sum(r["peak_pss_kib"] for r in ranks) / 2**20,
+             "host_baseline_rss_GiB": sum(r["baseline_kib"] for r in ranks) / 2**20,
              "store_GiB": sum(r["store_bytes"] for r in ranks) / 2**30,
              "optimizer_GiB": sum(r["optimizer_bytes"] for r in ranks) / 2**30}
     with open(args.out, "w") as f:

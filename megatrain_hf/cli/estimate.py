@@ -12,6 +12,7 @@ from ..hf.families import FAMILIES, unsupported_message
 from ..memory.fit import ModelFit, largest_model, largest_preset
 from ..memory.host import DEFAULT_HEADROOM_BYTES, GiB, available_host_bytes
 from ..memory.host import gib as _gib
+from ..memory.distributed import plan_ranks
 from ..memory.plan import MemoryPlan, plan_memory
 from ..memory.shapes import PRESETS, ModelShape, format_count, model_config
 
@@ -45,6 +46,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
     parser.add_argument("--host-gib", type=float, default=None,
                         help="plan against this much RAM instead of this machine's available RAM")
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="data-parallel processes (GPUs) in all: host RAM per rank and per host (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, help="hosts the processes run on (default 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--chart", default=None, metavar="PNG", help="also write a bar chart of the plan")
     try:
@@ -66,9 +70,12 @@ def estimate_main(argv: list[str] | None = None) -> int:
             loss_chunk_tokens=args.loss_chunk_tokens,
             lora_rank=args.lora_rank,
         )
+        ranks = plan_ranks(plan, args.world_size, args.nodes, host_staging=args.host_staging)
     except ValueError as exc:
         print(f"megatrain estimate: error: {exc}", file=sys.stderr)
         return 2
+    if args.world_size > 1:
+        return _print_ranks(plan, ranks, args)
     if args.host_gib is not None:
         available, source = int(args.host_gib * GiB), "given by --host-gib"
     else:
@@ -120,6 +127,26 @@ def estimate_main(argv: list[str] | None = None) -> int:
     if not fits:
         lora_hint = "" if args.lora_rank is not None else ", --lora-rank (LoRA)"
         print(f"to fit: fewer layers / a smaller model{lora_hint}, or more RAM")
+    return 0
+
+
+def _print_ranks(plan: MemoryPlan, ranks, args) -> int:
+    """Data parallelism: the single-GPU plan, then host RAM per rank and host and what one host has."""
+    if args.host_gib is not None:
+        available, source = int(args.host_gib * GiB), "given by --host-gib"
+    else:
+        available, source = available_host_bytes(), "available on this machine now"
+    need = max(ranks.host_bytes) + DEFAULT_HEADROOM_BYTES
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict(), "ranks": ranks.to_dict(), "host_available_bytes": available,
+                          "host_required_bytes": need, "fits_host": need <= available}, indent=2))
+        return 0
+    print(_table(plan))
+    print()
+    print(ranks.table())
+    verdict = "fits" if need <= available else "does NOT fit"
+    print(f"host RAM {source}: {_gib(available)} GiB per host; the fullest host {_gib(max(ranks.host_bytes))} + "
+          f"headroom {_gib(DEFAULT_HEADROOM_BYTES)} = {_gib(need)} GiB -> {verdict}")
     return 0
 
 
