@@ -41,6 +41,11 @@
 #   7b                    7 B (Llama-2 shape), 8 x 8K (seq 4096 x mb 2 x ga 8), 3 warm-up + 4 measured:
 #                         megatrain, 8.7 s/step, fixed ~75 s                             ~165 s
 #   probe                 host update/copy-engine probe (scripts/host_probe.py)          ~20 s
+#   dp-7b                 data parallelism (docs/distributed.md), on a machine with >= 2 GPUs (nvidia-h200-x2):
+#                         7 B (Llama-2 shape) at the same tokens per GPU (seq 4096 x mb 2 x ga 4, 32K per GPU
+#                         and step), 4 steps, scripts/gpu_train.py under torchrun on 1 and on 2 GPUs; not
+#                         measured before: ~75 s fixed + 4 x ~5 s per run on 1 GPU, the 2-GPU run guessed
+#                         at twice that (every weight broadcast over gloo)                ~300 s
 #   NAME (letters, digits, _) with BENCH_ARGS_NAME set: `megatrain bench $BENCH_ARGS_NAME`, megatrain's
 #                         options from CONFIG_NAME (JSON), earlier results in out/NAME merged (--merge)
 # The DeepSpeed warm-up is 8 steps at 16K: with 2, its measured steps still got faster
@@ -70,8 +75,9 @@ ARGS[baselines-4x16k-more]="$B64 --systems deepspeed_zero2,deepspeed_offloadpp,f
 ARGS[1.36b]="--model llama-1.36b --seq-len 2048 --micro-batch 8 --grad-accum 4 --warmup-steps 4 --steps 6 --systems megatrain,plain --timeout 200"
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
 EST=([tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
-     [1.36b]=115 [7b]=165 [probe]=20)
-ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b probe"
+     [1.36b]=115 [7b]=165 [probe]=20 [dp-7b]=300)
+ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b probe dp-7b"
+DP7B="--system megatrain --hidden 4096 --intermediate 11008 --layers 32 --heads 32 --seq 4096 --micro-batch 2 --grad-accum 4 --steps 4"
 
 DRY=${DRY_RUN:-}
 [ "$DRY" = 0 ] && DRY=
@@ -156,6 +162,15 @@ for stage in "${stages[@]}"; do
     probe)
       run "$R/probe.log" timeout "$(left 120)" python3 scripts/host_probe.py
       rc=$?; [ -z "$DRY" ] && summary "probe rc=$rc $(tail -12 "$R/probe.log")";;
+    dp-7b)
+      [ -z "$DRY" ] && mkdir -p "$R/dp-7b"
+      for n in 1 2; do
+        # shellcheck disable=SC2086  # DP7B are words
+        run "$R/dp-7b/gpus$n.log" env -u MEGATRAIN_CONFIG timeout "$(left 280)" torchrun --nproc_per_node "$n" \
+          --master_port $(( 29500 + n )) scripts/gpu_train.py $DP7B --out "$R/dp-7b/gpus$n.json"
+        rc=$?; [ -z "$DRY" ] && summary "dp-7b gpus=$n rc=$rc $(tail -1 "$R/dp-7b/gpus$n.log" | cut -c1-400)"
+        [ -z "$DRY" ] && [ -f "$R/dp-7b/gpus$n.json" ] && cp "$R/dp-7b/gpus$n.json" "$OUT/dp-7b-gpus$n-$C.json"
+      done;;
     baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b)
       bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda";;
     *)

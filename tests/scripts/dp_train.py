@@ -5,7 +5,7 @@
 step]: that rank raises at that optimizer step), ``then_resume`` (a checkpoint name: train again in the
 same processes from that checkpoint of the first run, into ``--out`` + ``.resumed``). Rank 0 writes
 ``{"logs": [...]}`` to ``--out`` and the final trainable weights (the full state dict, gathered) to
-``--out`` + ``.pt``.
+``--out`` + ``.pt``. ``gpu``: on CUDA (one GPU per rank) in bf16.
 """
 
 import argparse
@@ -47,6 +47,7 @@ def train(case: dict, out: str, output_dir: str, resume: str | None = None) -> N
         gradient_accumulation_steps=case.get("ga", 2), save_strategy="steps" if case.get("save_steps") else "no",
         save_steps=case.get("save_steps") or 500, eval_strategy="steps" if case.get("eval") else "no",
         eval_steps=2, per_device_eval_batch_size=case["batch"],
+        **(dict(use_cpu=False, bf16=True) if case.get("gpu") else {}),
     )
     callbacks = [LogRecorder()]
     if case.get("fail"):
@@ -70,7 +71,7 @@ def train(case: dict, out: str, output_dir: str, resume: str | None = None) -> N
         if state is None:
             state = model.state_dict()
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        torch.save({k: v.detach().clone() for k, v in state.items() if k in trainable}, out + ".pt")
+        torch.save({k: v.detach().float().cpu().clone() for k, v in state.items() if k in trainable}, out + ".pt")
         with open(out, "w") as f:
             json.dump({"logs": [dict(x) for x in callbacks[0].logs]}, f)
 
