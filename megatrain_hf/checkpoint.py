@@ -144,12 +144,15 @@ def _layout(optimizer, u: int) -> dict[str, list]:
 
 # ---------------------------------------------------------------------------------- save / load
 def save_optimizer(optimizer, folder: str) -> None:
-    """Write ``optimizer``'s (a HostAdamW) state into ``folder``, one safetensors file per unit."""
+    """Write ``optimizer``'s (a HostAdamW) state into ``folder``, one safetensors file per unit.
+
+    Under data parallelism each rank writes the files of the units it owns (every file names all
+    units), so the folder is complete once every rank wrote, and loads on any number of ranks."""
     optimizer.synchronize()
     os.makedirs(folder, exist_ok=True)
     hyper = json.dumps(_encode(_hyper(optimizer)))
-    units = list(optimizer._plan)
-    for u in units:
+    units = list(optimizer.all_units)
+    for u in optimizer._plan:
         with optimizer.unit_state(u) as tensors:  # paged in from the disk tier when it is there
             _save_unit(optimizer, folder, u, units, hyper, dict(tensors))
     fsync_path(folder)
@@ -213,12 +216,13 @@ def _read_headers(folder: str, expected_units: list[int] | None) -> dict[int, di
 
 
 def load_optimizer(optimizer, folder: str) -> None:
-    """Load a folder written by :func:`save_optimizer` into ``optimizer`` (a HostAdamW), in place."""
+    """Load a folder written by :func:`save_optimizer` into ``optimizer`` (a HostAdamW), in place
+    (under data parallelism: the units this rank owns, whatever the world size that wrote it)."""
     from safetensors import safe_open
 
     optimizer.synchronize()
-    units = list(optimizer._plan)
-    headers = _read_headers(folder, units)
+    units = list(optimizer.all_units)
+    headers = {u: meta for u, meta in _read_headers(folder, units).items() if u in optimizer._plan}
     mode = optimizer.format.mode
     for u, meta in headers.items():  # validate everything before changing anything
         saved_mode = meta.get("optimizer_state", "fp32")
@@ -235,7 +239,9 @@ def load_optimizer(optimizer, folder: str) -> None:
                 f"unit {optimizer.store.names[u]} of this model ({meta['numel']} vs {numel} elements, or other "
                 "shapes/groups): the checkpoint belongs to another model or another set of trainable parameters."
             )
-    saved_groups = _decode(json.loads(headers[units[0]]["param_groups"]))
+    first = json.loads(next(iter(headers.values()))["param_groups"]) if headers else None
+    saved_groups = _decode(first) if first is not None else [
+        {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
             f"the sharded optimizer checkpoint {folder} has {len(saved_groups)} param groups, the optimizer "

@@ -27,10 +27,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import MegaTrainConfig
-from .core.grads import GradSink
+from .core.grads import MAX_PENDING_SENDS, GradSink
 from .core.layout import Kind
 from .core.offload import CheckpointOffload
 from .core.patcher import Patcher
+from .core.sharding import sharding_from_env
 from .core.store import HostStore
 from .core.streamer import Streamer
 from .core.streams import streams_for
@@ -79,12 +80,21 @@ class Engine:
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
         deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
+        self.sharding = sharding_from_env(len(named), config.data_parallel, config.collective_timeout_s)
+        if self.sharding is not None and config.device_update:
+            raise ValueError("megatrain: device_update=True is not supported under data parallelism (the GPU "
+                             "share of the update does not know the unit owners). Fix: device_update=False, or "
+                             "data_parallel=False to train each rank alone.")
+        # receive slots (data parallelism): on CUDA the unit computing + the prefetched one + one
+        # spare, and a gradient slot per send in flight; on the CPU one of each
+        slots = (3, MAX_PENDING_SENDS + 2) if (streams is not None or device.type == "cuda") else (1, 1)
         try:
             self.store = HostStore(named, compute_dtype=dtype, pin=config.resolve_pin(device),
                                    embedding_units=located.embedding_units, staging=staging,
                                    frozen_in_wire_dtype=frozen_in_wire_dtype,
                                    sources=deferred.source if deferred is not None else None, quantize=quantize,
-                                   ranges=deferred.ranges if deferred is not None else None)
+                                   ranges=deferred.ranges if deferred is not None else None,
+                                   sharding=self.sharding, slots=slots)
         finally:
             if deferred is not None:
                 deferred.close()

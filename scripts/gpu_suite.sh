@@ -48,6 +48,11 @@
 #                         as many of its 40 layers as RAM + free disk hold (the estimate's largest depth:
 #                         all 40 need ~194 GiB of fp32 state, more than 125 GiB RAM + 64 GiB disk)
 #                         not measured yet: ~60 s rates + ~110 s build + 3 x ~60 s/step   ~350 s
+#   dp-7b                 data parallelism (docs/distributed.md), on a machine with >= 2 GPUs (nvidia-h200-x2):
+#                         7 B (Llama-2 shape) at the same tokens per GPU (seq 4096 x mb 2 x ga 4, 32K per GPU
+#                         and step), 4 steps, scripts/gpu_train.py under torchrun on 1 and on 2 GPUs; not
+#                         measured before: ~75 s fixed + 4 x ~5 s per run on 1 GPU, the 2-GPU run guessed
+#                         at twice that (every weight broadcast over gloo)                ~300 s
 #   NAME (letters, digits, _) with BENCH_ARGS_NAME set: `megatrain bench $BENCH_ARGS_NAME`, megatrain's
 #                         options from CONFIG_NAME (JSON), earlier results in out/NAME merged (--merge)
 # The DeepSpeed warm-up is 8 steps at 16K: with 2, its measured steps still got faster
@@ -79,9 +84,10 @@ ARGS[1.36b]="--model llama-1.36b --seq-len 2048 --micro-batch 8 --grad-accum 4 -
 ARGS[soak]="--model llama-1.36b --seq-len 4096 --micro-batch 2 --grad-accum 1 --warmup-steps 5 --steps 500 --systems megatrain --timeout 540"
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
 EST=([tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
-     [1.36b]=115 [7b]=165 [soak]=330 [probe]=20 [disk-13b]=350)
-ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak probe disk-13b"
+     [1.36b]=115 [7b]=165 [soak]=330 [probe]=20 [disk-13b]=350 [dp-7b]=300)
+ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak probe disk-13b dp-7b"
 D13="--model llama-13b --seq-len 4096 --micro-batch 1 --grad-accum 16"
+DP7B="--system megatrain --hidden 4096 --intermediate 11008 --layers 32 --heads 32 --seq 4096 --micro-batch 2 --grad-accum 4 --steps 4"
 
 DRY=${DRY_RUN:-}
 [ "$DRY" = 0 ] && DRY=
@@ -178,6 +184,15 @@ for stage in "${stages[@]}"; do
       bench_stage disk-13b "$D13 --layers $layers --warmup-steps 1 --steps 1 --systems megatrain --timeout 480 --dtype bf16 --device cuda" \
         "{\"offload_dir\": \"$D\", \"host_staging\": false}"
       [ -z "$DRY" ] && rm -rf "$D";;
+    dp-7b)
+      [ -z "$DRY" ] && mkdir -p "$R/dp-7b"
+      for n in 1 2; do
+        # shellcheck disable=SC2086  # DP7B are words
+        run "$R/dp-7b/gpus$n.log" env -u MEGATRAIN_CONFIG timeout "$(left 280)" torchrun --nproc_per_node "$n" \
+          --master_port $(( 29500 + n )) scripts/gpu_train.py $DP7B --out "$R/dp-7b/gpus$n.json"
+        rc=$?; [ -z "$DRY" ] && summary "dp-7b gpus=$n rc=$rc $(tail -1 "$R/dp-7b/gpus$n.log" | cut -c1-400)"
+        [ -z "$DRY" ] && [ -f "$R/dp-7b/gpus$n.json" ] && cp "$R/dp-7b/gpus$n.json" "$OUT/dp-7b-gpus$n-$C.json"
+      done;;
     baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b|soak)
       bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda";;
     *)

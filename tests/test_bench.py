@@ -431,7 +431,10 @@ def test_gpu_suite_dry_run_commands_parse():
                           env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     commands = [shlex.split(line[len("DRY:"):]) for line in done.stdout.splitlines() if line.startswith("DRY:")]
-    assert len(commands) == len(stages)
+    assert len(commands) == len(stages) + 1  # dp-7b: one run on 1 GPU, one on 2
+    dp = [w for w in commands if "scripts/gpu_train.py" in w]
+    assert [w[w.index("--nproc_per_node") + 1] for w in dp] == ["1", "2"]
+    assert all(w[w.index("--micro-batch") + 1] == "2" and w[w.index("--hidden") + 1] == "4096" for w in dp)
     benches = {}
     for words in commands:
         if "megatrain_hf.cli" not in words:
@@ -445,7 +448,7 @@ def test_gpu_suite_dry_run_commands_parse():
             check_workload(system, args.grad_accum)
         assert args.budget_s is not None and args.device == "cuda" and args.dtype == "bf16"
         benches[stage] = args
-    assert set(benches) == set(stages) - {"tests", "probe"}
+    assert set(benches) == set(stages) - {"tests", "probe", "dp-7b"}
     sixteen = benches["baselines-16k"]
     assert (sixteen.model, sixteen.seq_len * sixteen.micro_batch * sixteen.grad_accum) == ("llama-3.14b", 16384)
     assert sixteen.warmup_steps >= 8 and "deepspeed" in sixteen.systems

@@ -12,6 +12,7 @@ from ..hf.families import FAMILIES, unsupported_message
 from ..memory.fit import ModelFit, largest_model, largest_preset
 from ..memory.host import DEFAULT_HEADROOM_BYTES, GiB, available_host_bytes
 from ..memory.host import gib as _gib
+from ..memory.distributed import plan_ranks
 from ..memory.plan import MemoryPlan, plan_memory
 from ..memory.shapes import PRESETS, ModelShape, format_count, model_config
 
@@ -56,6 +57,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
                              "disk per tier, disk bytes per optimizer step, the largest model RAM + disk hold")
     parser.add_argument("--disk-gib", type=float, default=None,
                         help="with --offload-dir: plan against this much free disk instead of DIR's free space")
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="data-parallel processes (GPUs) in all: host RAM per rank and per host (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, help="hosts the processes run on (default 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--chart", default=None, metavar="PNG", help="also write a bar chart of the plan")
     try:
@@ -79,9 +83,12 @@ def estimate_main(argv: list[str] | None = None) -> int:
             base_quantization=args.base_quantization,
             optimizer_state=args.optimizer_state,
         )
+        ranks = plan_ranks(plan, args.world_size, args.nodes, host_staging=args.host_staging)
     except ValueError as exc:
         print(f"megatrain estimate: error: {exc}", file=sys.stderr)
         return 2
+    if args.world_size > 1:
+        return _print_ranks(plan, ranks, args)
     if args.host_gib is not None:
         available, source = int(args.host_gib * GiB), "given by --host-gib"
     else:
@@ -197,6 +204,24 @@ def _disk_table(d: dict) -> str:
         f"  largest depth that fits RAM + disk: {d['max_layers']} layers = {format_count(d['max_layers_params'])} "
         "params",
     ])
+def _print_ranks(plan: MemoryPlan, ranks, args) -> int:
+    """Data parallelism: the single-GPU plan, then host RAM per rank and host and what one host has."""
+    if args.host_gib is not None:
+        available, source = int(args.host_gib * GiB), "given by --host-gib"
+    else:
+        available, source = available_host_bytes(), "available on this machine now"
+    need = max(ranks.host_bytes) + DEFAULT_HEADROOM_BYTES
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict(), "ranks": ranks.to_dict(), "host_available_bytes": available,
+                          "host_required_bytes": need, "fits_host": need <= available}, indent=2))
+        return 0
+    print(_table(plan))
+    print()
+    print(ranks.table())
+    verdict = "fits" if need <= available else "does NOT fit"
+    print(f"host RAM {source}: {_gib(available)} GiB per host; the fullest host {_gib(max(ranks.host_bytes))} + "
+          f"headroom {_gib(DEFAULT_HEADROOM_BYTES)} = {_gib(need)} GiB -> {verdict}")
+    return 0
 
 
 def _table(plan: MemoryPlan) -> str:

@@ -140,7 +140,9 @@ class HostAdamW(torch.optim.Optimizer):
                         "does not hold as trainable; pass the parameters of the attached model."
                     )
                 plan[home[0]][gi].append(home[1])
-        self._plan = {u: dict(groups) for u, groups in sorted(plan.items())}
+        # under data parallelism every rank knows all units, and holds the state of its own only
+        self.all_units = sorted(plan)
+        self._plan = {u: dict(groups) for u, groups in sorted(plan.items()) if self.store.owns(u)}
         self._exp_avg: dict[int, torch.Tensor] = {}
         self._exp_avg_sq: dict[int, torch.Tensor] = {}
         self.moments: CompressedMoments | None = None  # the compressed moments (None: fp32 flats)
@@ -256,6 +258,9 @@ class HostAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.synchronize()
+        sharding = self.store.sharding
+        if sharding is not None:  # the owners' gradient sums become means (DDP's average)
+            sharding.take_mean(self.store.held_grads())
         clip, self._clip = self._clip, None
         if self._skip_next:
             self._skip_next = False
@@ -268,6 +273,9 @@ class HostAdamW(torch.optim.Optimizer):
                 "HostAdamW worker thread is not running (the optimizer was closed, or the thread ended); "
                 "build a new optimizer or restart from the last checkpoint"
             )
+        if sharding is not None:
+            for u in self.all_units:  # every rank: the units' masters change (here or on their owner)
+                self.store.gates.bump(u)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no upload still reads a staging flat the update rewrites
         jobs = []  # snapshot everything first: a failure here leaves no unit marked busy

@@ -31,7 +31,7 @@ from transformers import Trainer
 
 from ...core.patcher import Patcher
 from ...optim.host_adamw import HostAdamW, convertible
-from . import checkpoints, layer_major
+from . import checkpoints, distributed, layer_major
 from .checkpoints import host_adamw
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ def install(patcher: Patcher, plugin, trainer) -> None:
     _install_accelerator(patcher, plugin, trainer)
     checkpoints.install(patcher, trainer)
     layer_major.install(patcher, plugin, trainer)
+    distributed.install(patcher, plugin, trainer)
     engine = plugin.engine
     if plugin.config.chunked_loss == "auto" and type(trainer) is Trainer:
         # plain Trainer reads only the loss of a training forward; subclasses may read logits
