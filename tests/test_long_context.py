@@ -209,3 +209,35 @@ def test_rope_scaling_sets_the_sequence_limit(rope, allowed):
                                              rf"allows \({rope['rope_type']} x{rope['factor']} .* = {allowed}"):
             model(input_ids=long, labels=long)
     engine.detach()
+
+
+def test_plan_arithmetic_at_512k_tokens():
+    """The plan at 512K tokens of Qwen2.5-7B's shape: the chunked loss holds one chunk of logits (not
+    512K x 152K), tiling bounds the MLP's share, every k-th checkpoint cuts the checkpoints."""
+    from megatrain_hf.memory import activations
+    from megatrain_hf.memory.plan import plan_memory
+    from megatrain_hf.memory.shapes import PRESETS
+
+    shape, seq = PRESETS["qwen2.5-7b"], 524288
+    plan = plan_memory(shape, seq_len=seq, micro_batch=1)
+    assert plan.gpu_logits == (2**26 // 152064) * 152064 * 14 < 2**30  # one chunk: 441 tokens
+    assert plan.sequence_tile_tokens == 4096
+    untiled = plan_memory(shape, seq_len=seq, micro_batch=1, sequence_tile_tokens=None)
+    mlp = seq * 4 * 2 * shape.intermediate
+    assert untiled.gpu_layer_working_set - plan.gpu_layer_working_set == mlp - 4096 * 6 * 2 * shape.intermediate
+    every4 = plan_memory(shape, seq_len=seq, micro_batch=1, checkpoint_interval=4)
+    assert every4.gpu_checkpoints == (8 + 1) * seq * shape.hidden * 4  # ceil(29 / 4) of layers + norm, the head
+    assert every4.gpu_recomputed_inputs == 3 * seq * shape.hidden * 4
+    assert activations.resolve_tile("auto", 4096, 4096, 14336, 2) is None  # one tile: untiled
+    assert activations.resolve_tile("auto", 8192, 4096, 14336, 2, budget_bytes=8 * 2**30) == 998  # 2% of 8 GiB
+
+
+def test_estimate_shows_long_context(capsys):
+    from megatrain_hf.cli import main
+
+    assert main(["estimate", "--model", "llama3-8b", "--seq-len", "524288", "--gpu-gib", "139", "--host-gib", "125",
+                 "--no-host-staging"]) == 0
+    out = capsys.readouterr().out
+    assert "one layer's recompute, MLP in 128 tiles of 4096 tokens" in out
+    assert "logits chunk (523 tokens x vocab 128256)" in out
+    assert "longest sequence that fits a 139.00 GiB GPU and 125.00 GiB host RAM:" in out

@@ -9,7 +9,9 @@ import sys
 import torch
 
 from ..hf.families import FAMILIES, unsupported_message
-from ..memory.fit import ModelFit, largest_model, largest_preset
+from ..core.layout import loss_chunk_tokens
+from ..memory import activations
+from ..memory.fit import ModelFit, largest_model, largest_preset, longest_sequence, placement
 from ..memory.host import DEFAULT_HEADROOM_BYTES, GiB, available_host_bytes
 from ..memory.host import gib as _gib
 from ..memory.plan import MemoryPlan, plan_memory
@@ -41,6 +43,13 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload-checkpoints", action="store_true",
                         help="activation checkpoints in pinned host memory (offload_checkpoints=True): GPU flat "
                              "with depth and micro-batches in flight, host RAM pays")
+    parser.add_argument("--sequence-tile-tokens", type=_tile_arg, default="auto", metavar="auto|none|N",
+                        help="tokens per MLP tile (sequence_tile_tokens; default auto)")
+    parser.add_argument("--checkpoint-interval", type=int, default=1, metavar="K",
+                        help="keep every K-th unit's activation checkpoint (checkpoint_interval; default 1)")
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help="GPU memory to plan against: prints where the checkpoints go at --seq-len and the "
+                             "longest sequence that fits it (with the host RAM)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: auto)")
     parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
     parser.add_argument("--host-gib", type=float, default=None,
@@ -65,6 +74,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
             offload_checkpoints=args.offload_checkpoints,
             loss_chunk_tokens=args.loss_chunk_tokens,
             lora_rank=args.lora_rank,
+            sequence_tile_tokens=args.sequence_tile_tokens,
+            checkpoint_interval=args.checkpoint_interval,
         )
     except ValueError as exc:
         print(f"megatrain estimate: error: {exc}", file=sys.stderr)
@@ -102,6 +113,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
         return 0
     print(_table(plan))
     print()
+    print(activation_lines(plan))
+    print()
     if args.chart:
         write_chart(plan, args.chart)
         print(f"chart written to {args.chart}")
@@ -114,6 +127,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
         print(f"GPU 0: {_gib(gpu_available)} GiB; estimate {_gib(plan.gpu_total)} GiB -> {gpu_fits}")
     else:
         print(f"GPU: none visible here; the estimate above is {_gib(plan.gpu_total)} GiB")
+    if args.gpu_gib is not None:
+        print(_long_context_fit(shape, args, int(args.gpu_gib * GiB), available))
     mode = f"LoRA r={args.lora_rank}, " if args.lora_rank is not None else ""
     print(f"largest preset that fits ({mode}{plan.compute_dtype}): {preset or 'none'}")
     print(_describe(fit))
@@ -121,6 +136,54 @@ def estimate_main(argv: list[str] | None = None) -> int:
         lora_hint = "" if args.lora_rank is not None else ", --lora-rank (LoRA)"
         print(f"to fit: fewer layers / a smaller model{lora_hint}, or more RAM")
     return 0
+
+
+def _tile_arg(value: str):
+    if value in ("auto", "none", "None"):
+        return None if value.lower() == "none" else "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: allowed auto, none or a number of tokens") from None
+
+
+def activation_lines(plan: MemoryPlan) -> str:
+    """Where the activation bytes of one micro-batch go, per unit and per token."""
+    s, tokens = plan.shape, plan.tokens_per_micro_batch
+    cbytes = 2 if plan.compute_dtype == "bf16" else 4
+    untiled = activations.layer_working_set(tokens, s.hidden, s.q_dim, s.kv_dim, s.intermediate, cbytes)
+    kept = activations.kept_checkpoints(s.layers, plan.checkpoint_interval)
+    chunk = loss_chunk_tokens(None, s.vocab)
+    tile = plan.sequence_tile_tokens
+    ckpt_where = "host" if plan.host_checkpoints else "GPU"
+    rows = [(f"checkpoint per unit (fp32 tokens x hidden), {kept} kept on the {ckpt_where}", tokens * s.hidden * 4),
+            (f"inputs of a block held (checkpoint_interval={plan.checkpoint_interval})", plan.gpu_recomputed_inputs),
+            ("one layer's recompute, MLP untiled", untiled),
+            (f"one layer's recompute, MLP in {activations.tiles(tokens, tile)} tiles of {tile} tokens" if tile
+             else "one layer's recompute as planned (untiled)", plan.gpu_layer_working_set),
+            (f"logits chunk ({min(tokens, chunk)} tokens x vocab {s.vocab})", plan.gpu_logits)]
+    lines = [f"{f'ACTIVATIONS ({tokens} tokens per micro-batch)':<64}{'GiB':>9}"]
+    lines += [f"  {label:<62}{_gib(value):>9}" for label, value in rows]
+    return "\n".join(lines)
+
+
+def _long_context_fit(shape: ModelShape, args, gpu_bytes: int, host_bytes: int) -> str:
+    options = dict(micro_batch=args.micro_batch, grad_accum=args.grad_accum, compute_dtype=args.dtype,
+                   layer_major=args.layer_major, chunked_loss=args.chunked_loss, host_staging=args.host_staging,
+                   loss_chunk_tokens=args.loss_chunk_tokens, lora_rank=args.lora_rank,
+                   sequence_tile_tokens=args.sequence_tile_tokens)
+    where = placement(shape, args.seq_len, gpu_bytes, host_bytes, **options)
+    budget = f"a {_gib(gpu_bytes)} GiB GPU and {_gib(host_bytes)} GiB host RAM"
+    lines = [f"at seq {args.seq_len} on {budget}: " + (_placed(where) if where else "nothing fits")]
+    seq, best = longest_sequence(shape, gpu_bytes, host_bytes, **options)
+    lines.append(f"longest sequence that fits {budget}: {seq} tokens" + (f" ({_placed(best)})" if best else ""))
+    return "\n".join(lines)
+
+
+def _placed(plan: MemoryPlan) -> str:
+    where = "offloaded to host" if plan.host_checkpoints else "on the GPU"
+    return (f"checkpoints {where}, checkpoint_interval={plan.checkpoint_interval}; GPU {_gib(plan.gpu_total)} GiB, "
+            f"host {_gib(plan.host_total)} GiB")
 
 
 def _table(plan: MemoryPlan) -> str:
