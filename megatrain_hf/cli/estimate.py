@@ -9,7 +9,6 @@ import sys
 import torch
 
 from ..hf.families import FAMILIES, unsupported_message
-from ..core.layout import loss_chunk_tokens
 from ..memory import activations
 from ..memory.fit import ModelFit, largest_model, largest_preset, longest_sequence, placement
 from ..memory.host import DEFAULT_HEADROOM_BYTES, GiB, available_host_bytes
@@ -153,7 +152,7 @@ def activation_lines(plan: MemoryPlan) -> str:
     cbytes = 2 if plan.compute_dtype == "bf16" else 4
     untiled = activations.layer_working_set(tokens, s.hidden, s.q_dim, s.kv_dim, s.intermediate, cbytes)
     kept = activations.kept_checkpoints(s.layers, plan.checkpoint_interval)
-    chunk = loss_chunk_tokens(None, s.vocab)
+    chunk = plan.gpu_logits // (s.vocab * (cbytes + 12))  # tokens of the logits the plan holds at once
     tile = plan.sequence_tile_tokens
     ckpt_where = "host" if plan.host_checkpoints else "GPU"
     rows = [(f"checkpoint per unit (fp32 tokens x hidden), {kept} kept on the {ckpt_where}", tokens * s.hidden * 4),
