@@ -41,6 +41,13 @@
 #   7b                    7 B (Llama-2 shape), 8 x 8K (seq 4096 x mb 2 x ga 8), 3 warm-up + 4 measured:
 #                         megatrain, 8.7 s/step, fixed ~75 s                             ~165 s
 #   probe                 host update/copy-engine probe (scripts/host_probe.py)          ~20 s
+#   longctx               7 B (Llama-2 shape, 6.74 B) at 64K and 128K tokens per sequence, one sequence a
+#                         step, 1 warm-up + 2 measured, sequence_tile_tokens "auto" (the default), checkpoints
+#                         on the GPU (what `megatrain estimate --gpu-gib 139 --host-gib 125` places there):
+#                         ~30 s and ~70 s a step by the attention FLOPs, fixed ~75 s each   ~450 s
+#   longctx-more          the same at 256K with checkpoint_interval=2 (the plan's placement), 1 measured
+#                         step (~250 s by the FLOPs); 512K does not fit 139 GiB by the plan (estimate says
+#                         so) and would take ~1000 s a step                               ~400 s
 #   NAME (letters, digits, _) with BENCH_ARGS_NAME set: `megatrain bench $BENCH_ARGS_NAME`, megatrain's
 #                         options from CONFIG_NAME (JSON), earlier results in out/NAME merged (--merge)
 # The DeepSpeed warm-up is 8 steps at 16K: with 2, its measured steps still got faster
@@ -68,10 +75,14 @@ ARGS[baselines-16k-more]="$B16 --systems deepspeed_offloadpp,deepspeed_zenflow,f
 ARGS[baselines-4x16k]="$B64 --systems megatrain,deepspeed,plain --timeout 300"
 ARGS[baselines-4x16k-more]="$B64 --systems deepspeed_zero2,deepspeed_offloadpp,fsdp2 --timeout 300"
 ARGS[1.36b]="--model llama-1.36b --seq-len 2048 --micro-batch 8 --grad-accum 4 --warmup-steps 4 --steps 6 --systems megatrain,plain --timeout 200"
+LC="--model llama-7b --micro-batch 1 --grad-accum 1 --systems megatrain"
+ARGS[longctx-64k]="$LC --seq-len 65536 --warmup-steps 1 --steps 2 --timeout 280"
+ARGS[longctx-128k]="$LC --seq-len 131072 --warmup-steps 1 --steps 2 --timeout 420"
+ARGS[longctx-256k]="$LC --seq-len 262144 --warmup-steps 0 --steps 1 --timeout 560"
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
 EST=([tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
-     [1.36b]=115 [7b]=165 [probe]=20)
-ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b probe"
+     [1.36b]=115 [7b]=165 [probe]=20 [longctx]=450 [longctx-more]=400)
+ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b probe longctx longctx-more"
 
 DRY=${DRY_RUN:-}
 [ "$DRY" = 0 ] && DRY=
@@ -158,6 +169,13 @@ for stage in "${stages[@]}"; do
       rc=$?; [ -z "$DRY" ] && summary "probe rc=$rc $(tail -12 "$R/probe.log")";;
     baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b)
       bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda";;
+    longctx)
+      for part in longctx-64k longctx-128k; do
+        bench_stage "$part" "${ARGS[$part]} --dtype bf16 --device cuda" '{"sequence_tile_tokens": "auto"}'
+      done;;
+    longctx-more)
+      bench_stage longctx-256k "${ARGS[longctx-256k]} --dtype bf16 --device cuda" \
+        '{"sequence_tile_tokens": "auto", "checkpoint_interval": 2}';;
     *)
       var="BENCH_ARGS_${stage}" cfg="CONFIG_${stage}"
       if [[ ! $stage =~ ^[A-Za-z0-9_]+$ ]] || [ -z "${!var:-}" ]; then
