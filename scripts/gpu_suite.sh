@@ -53,6 +53,13 @@
 #                         and step), 4 steps, scripts/gpu_train.py under torchrun on 1 and on 2 GPUs; not
 #                         measured before: ~75 s fixed + 4 x ~5 s per run on 1 GPU, the 2-GPU run guessed
 #                         at twice that (every weight broadcast over gloo)                ~300 s
+#   longctx               7 B (Llama-2 shape, 6.74 B) at 64K and 128K tokens per sequence, one sequence a
+#                         step, 1 warm-up + 2 measured, sequence_tile_tokens "auto" (the default), checkpoints
+#                         on the GPU (what `megatrain estimate --gpu-gib 139 --host-gib 125` places there):
+#                         ~30 s and ~70 s a step by the attention FLOPs, fixed ~75 s each   ~450 s
+#   longctx-more          the same at 256K with checkpoint_interval=2 (the plan's placement), 1 measured
+#                         step (~250 s by the FLOPs); 512K does not fit 139 GiB by the plan (estimate says
+#                         so) and would take ~1000 s a step                               ~400 s
 #   NAME (letters, digits, _) with BENCH_ARGS_NAME set: `megatrain bench $BENCH_ARGS_NAME`, megatrain's
 #                         options from CONFIG_NAME (JSON), earlier results in out/NAME merged (--merge)
 # The DeepSpeed warm-up is 8 steps at 16K: with 2, its measured steps still got faster
@@ -82,10 +89,14 @@ ARGS[baselines-4x16k-more]="$B64 --systems deepspeed_zero2,deepspeed_offloadpp,f
 ARGS[1.36b]="--model llama-1.36b --seq-len 2048 --micro-batch 8 --grad-accum 4 --warmup-steps 4 --steps 6 --systems megatrain,plain --timeout 200"
 # soak: 500 steps at 8K tokens each; every step records host RSS and CUDA memory (flat or not)
 ARGS[soak]="--model llama-1.36b --seq-len 4096 --micro-batch 2 --grad-accum 1 --warmup-steps 5 --steps 500 --systems megatrain --timeout 540"
+LC="--model llama-7b --micro-batch 1 --grad-accum 1 --systems megatrain"
+ARGS[longctx-64k]="$LC --seq-len 65536 --warmup-steps 1 --steps 2 --timeout 280"
+ARGS[longctx-128k]="$LC --seq-len 131072 --warmup-steps 1 --steps 2 --timeout 420"
+ARGS[longctx-256k]="$LC --seq-len 262144 --warmup-steps 0 --steps 1 --timeout 560"
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
 EST=([tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
-     [1.36b]=115 [7b]=165 [soak]=330 [probe]=20 [disk-13b]=350 [dp-7b]=300)
-ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak probe disk-13b dp-7b"
+     [1.36b]=115 [7b]=165 [soak]=330 [probe]=20 [disk-13b]=350 [dp-7b]=300 [longctx]=450 [longctx-more]=400)
+ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak probe disk-13b dp-7b longctx longctx-more"
 D13="--model llama-13b --seq-len 4096 --micro-batch 1 --grad-accum 16"
 DP7B="--system megatrain --hidden 4096 --intermediate 11008 --layers 32 --heads 32 --seq 4096 --micro-batch 2 --grad-accum 4 --steps 4"
 
@@ -195,6 +206,13 @@ for stage in "${stages[@]}"; do
       done;;
     baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b|soak)
       bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda";;
+    longctx)
+      for part in longctx-64k longctx-128k; do
+        bench_stage "$part" "${ARGS[$part]} --dtype bf16 --device cuda" '{"sequence_tile_tokens": "auto"}'
+      done;;
+    longctx-more)
+      bench_stage longctx-256k "${ARGS[longctx-256k]} --dtype bf16 --device cuda" \
+        '{"sequence_tile_tokens": "auto", "checkpoint_interval": 2}';;
     *)
       var="BENCH_ARGS_${stage}" cfg="CONFIG_${stage}"
       if [[ ! $stage =~ ^[A-Za-z0-9_]+$ ]] || [ -z "${!var:-}" ]; then

@@ -431,7 +431,9 @@ def test_gpu_suite_dry_run_commands_parse():
                           env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     commands = [shlex.split(line[len("DRY:"):]) for line in done.stdout.splitlines() if line.startswith("DRY:")]
-    assert len(commands) == len(stages) + 1  # dp-7b: one run on 1 GPU, one on 2
+    parts = {"longctx": ["longctx-64k", "longctx-128k"], "longctx-more": ["longctx-256k"]}  # several benches
+    # dp-7b: one run on 1 GPU, one on 2
+    assert len(commands) == len(stages) + 1 + sum(len(p) - 1 for p in parts.values())
     dp = [w for w in commands if "scripts/gpu_train.py" in w]
     assert [w[w.index("--nproc_per_node") + 1] for w in dp] == ["1", "2"]
     assert all(w[w.index("--micro-batch") + 1] == "2" and w[w.index("--hidden") + 1] == "4096" for w in dp)
@@ -443,12 +445,16 @@ def test_gpu_suite_dry_run_commands_parse():
         args = build_parser().parse_args(argv)
         stage = Path(args.out).name
         assert Path(args.out).parent.name == "abc1234"  # named with the commit
-        assert words[:3] == ["env", "-u", "MEGATRAIN_CONFIG"]  # megatrain's defaults in the comparisons
+        if stage.startswith("longctx"):  # megatrain alone, with its long-context options
+            assert words[1].startswith("MEGATRAIN_CONFIG=") and json.loads(words[1].split("=", 1)[1])
+            assert args.model == "llama-7b" and args.seq_len >= 65536 and args.systems == "megatrain"
+        else:
+            assert words[:3] == ["env", "-u", "MEGATRAIN_CONFIG"]  # megatrain's defaults in the comparisons
         for system in parse_systems(args.systems):
             check_workload(system, args.grad_accum)
         assert args.budget_s is not None and args.device == "cuda" and args.dtype == "bf16"
         benches[stage] = args
-    assert set(benches) == set(stages) - {"tests", "probe", "dp-7b"}
+    assert set(benches) == (set(stages) - {"tests", "probe", "dp-7b", *parts}) | {p for ps in parts.values() for p in ps}
     sixteen = benches["baselines-16k"]
     assert (sixteen.model, sixteen.seq_len * sixteen.micro_batch * sixteen.grad_accum) == ("llama-3.14b", 16384)
     assert sixteen.warmup_steps >= 8 and "deepspeed" in sixteen.systems

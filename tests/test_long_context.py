@@ -134,3 +134,110 @@ def test_checkpoint_interval_matches_plain_trainer(family, interval, offload, ag
     assert len(calls) == again * 6, calls  # per micro-batch: the inputs recomputed, 3 steps x 2 micro-batches
     assert_close_losses(ref_losses, losses, ATOL_FP32)
     assert_close_params(state_of(ref), state_of(model), ATOL_FP32)
+
+
+class _Documents(torch.utils.data.Dataset):
+    """Token sequences of 5 to 16 tokens (labels = inputs)."""
+
+    def __init__(self, n: int = 24) -> None:
+        g = torch.Generator().manual_seed(3)
+        lengths = torch.randint(5, 17, (n,), generator=g).tolist()
+        self.docs = [torch.randint(3, 128, (length,), generator=g).tolist() for length in lengths]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.docs[i], "labels": list(self.docs[i])}
+
+
+def _pad(features: list[dict]) -> dict:
+    longest = max(len(f["input_ids"]) for f in features)
+    out = {"input_ids": [], "labels": [], "attention_mask": []}
+    for f in features:
+        pad = longest - len(f["input_ids"])
+        out["input_ids"].append(f["input_ids"] + [0] * pad)
+        out["labels"].append(f["labels"] + [-100] * pad)
+        out["attention_mask"].append([1] * len(f["input_ids"]) + [0] * pad)
+    return {k: torch.tensor(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_packed_batches_match_padded_ones(family, tmp_path):
+    """HF's flattening collator (one row, position_ids restarting per document, SDPA's packed mask)
+    under megatrain, tiled: the same losses and parameters as plain Trainer on padded batches."""
+    from transformers import DataCollatorWithFlattening
+
+    args = dict(max_steps=4, learning_rate=1e-3)
+    ref = tiny_model(family, attention_dropout=0.0)
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", **args), dataset=_Documents(), data_collator=_pad)
+    model = tiny_model(family, attention_dropout=0.0)
+    packed = []
+    collator = DataCollatorWithFlattening(return_position_ids=True)
+
+    def flatten(features):
+        batch = collator(features)
+        packed.append(batch["input_ids"].shape)
+        return batch
+
+    _, losses = train(model, training_args(tmp_path / "mt", **args), dataset=_Documents(), data_collator=flatten,
+                      callbacks=[MegaTrainPlugin(sequence_tile_tokens=7)])
+    assert packed and all(shape[0] == 1 for shape in packed)  # really one packed row per micro-batch
+    assert_close_losses(ref_losses, losses, ATOL_FP32)
+    assert_close_params(state_of(ref), state_of(model), ATOL_FP32)
+
+
+@pytest.mark.parametrize("rope,allowed", [
+    ({"rope_type": "linear", "factor": 2.0}, 128),  # 2 x max_position_embeddings=64
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 128),
+    ({"rope_type": "dynamic", "factor": 2.0}, None),  # dynamic NTK rescales to any length
+])
+def test_rope_scaling_sets_the_sequence_limit(rope, allowed):
+    """Past max_position_embeddings: allowed up to what the rope scaling allows, refused beyond, and the
+    refusal names the scaling."""
+    from megatrain_hf import attach
+
+    model = tiny_model("llama", rope_parameters={**rope, "rope_theta": 10000.0})
+    engine = attach(model, device="cpu")
+    ids = torch.randint(0, 128, (1, 72))  # past max_position_embeddings=64
+    model(input_ids=ids, labels=ids).loss.backward()
+    if allowed is not None:
+        ok = torch.randint(0, 128, (1, allowed))
+        model(input_ids=ok, labels=ok).loss.backward()
+        long = torch.randint(0, 128, (1, allowed + 1))
+        with pytest.raises(ValueError, match=rf"{allowed + 1} tokens, more than what the config's rope scaling "
+                                             rf"allows \({rope['rope_type']} x{rope['factor']} .* = {allowed}"):
+            model(input_ids=long, labels=long)
+    engine.detach()
+
+
+def test_plan_arithmetic_at_512k_tokens():
+    """The plan at 512K tokens of Qwen2.5-7B's shape: the chunked loss holds one chunk of logits (not
+    512K x 152K), tiling bounds the MLP's share, every k-th checkpoint cuts the checkpoints."""
+    from megatrain_hf.memory import activations
+    from megatrain_hf.memory.plan import plan_memory
+    from megatrain_hf.memory.shapes import PRESETS
+
+    shape, seq = PRESETS["qwen2.5-7b"], 524288
+    plan = plan_memory(shape, seq_len=seq, micro_batch=1)
+    assert plan.gpu_logits == (2**26 // 152064) * 152064 * 14 < 2**30  # one chunk: 441 tokens
+    assert plan.sequence_tile_tokens == 4096
+    untiled = plan_memory(shape, seq_len=seq, micro_batch=1, sequence_tile_tokens=None)
+    mlp = seq * 4 * 2 * shape.intermediate
+    assert untiled.gpu_layer_working_set - plan.gpu_layer_working_set == mlp - 4096 * 6 * 2 * shape.intermediate
+    every4 = plan_memory(shape, seq_len=seq, micro_batch=1, checkpoint_interval=4)
+    assert every4.gpu_checkpoints == (8 + 1) * seq * shape.hidden * 4  # ceil(29 / 4) of layers + norm, the head
+    assert every4.gpu_recomputed_inputs == 3 * seq * shape.hidden * 4
+    assert activations.resolve_tile("auto", 4096, 4096, 14336, 2) is None  # one tile: untiled
+    assert activations.resolve_tile("auto", 8192, 4096, 14336, 2, budget_bytes=8 * 2**30) == 998  # 2% of 8 GiB
+
+
+def test_estimate_shows_long_context(capsys):
+    from megatrain_hf.cli import main
+
+    assert main(["estimate", "--model", "llama3-8b", "--seq-len", "524288", "--gpu-gib", "139", "--host-gib", "125",
+                 "--no-host-staging"]) == 0
+    out = capsys.readouterr().out
+    assert "one layer's recompute, MLP in 128 tiles of 4096 tokens" in out
+    assert "logits chunk (523 tokens x vocab 128256)" in out
+    assert "longest sequence that fits a 139.00 GiB GPU and 125.00 GiB host RAM:" in out

@@ -255,7 +255,7 @@ def test_gpu_items_follow_batch_and_schedule():
     # the embedding (fp32 on the wire, 0.49 GiB) is the largest unit of llama-7b: 2 slots of it
     assert one.gpu_weight_slots == 2 * 32000 * 4096 * 4
     assert one.gpu_logits == 4096 * 32000 * 14  # full logits
-    two = plan_memory(shape, seq_len=4096, micro_batch=2)
+    two = plan_memory(shape, seq_len=4096, micro_batch=2, sequence_tile_tokens=None)  # untiled: linear in tokens
     assert two.gpu_layer_working_set == 2 * one.gpu_layer_working_set
 
 

@@ -9,7 +9,8 @@ import sys
 import torch
 
 from ..hf.families import FAMILIES, unsupported_message
-from ..memory.fit import ModelFit, largest_model, largest_preset
+from ..memory import activations
+from ..memory.fit import ModelFit, largest_model, largest_preset, longest_sequence, placement
 from ..memory.host import DEFAULT_HEADROOM_BYTES, GiB, available_host_bytes
 from ..memory.host import gib as _gib
 from ..memory.distributed import plan_ranks
@@ -45,6 +46,13 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "8bit", "4bit"], default="fp32",
                         help="format of the AdamW moments in host RAM (optimizer_state; default fp32, 8 B/param; "
                              "8bit ~2 B/param, docs/optimizer-state.md)")
+    parser.add_argument("--sequence-tile-tokens", type=_tile_arg, default="auto", metavar="auto|none|N",
+                        help="tokens per MLP tile (sequence_tile_tokens; default auto)")
+    parser.add_argument("--checkpoint-interval", type=int, default=1, metavar="K",
+                        help="keep every K-th unit's activation checkpoint (checkpoint_interval; default 1)")
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help="GPU memory to plan against: prints where the checkpoints go at --seq-len and the "
+                             "longest sequence that fits it (with the host RAM)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: auto)")
     parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
     parser.add_argument("--base-quantization", choices=["none", "int8", "nf4"], default="none",
@@ -82,6 +90,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
             lora_rank=args.lora_rank,
             base_quantization=args.base_quantization,
             optimizer_state=args.optimizer_state,
+            sequence_tile_tokens=args.sequence_tile_tokens,
+            checkpoint_interval=args.checkpoint_interval,
         )
         ranks = plan_ranks(plan, args.world_size, args.nodes, host_staging=args.host_staging)
     except ValueError as exc:
@@ -130,6 +140,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
         return 0
     print(_table(plan))
     print()
+    print(activation_lines(plan))
+    print()
     if args.chart:
         write_chart(plan, args.chart)
         print(f"chart written to {args.chart}")
@@ -142,6 +154,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
         print(f"GPU 0: {_gib(gpu_available)} GiB; estimate {_gib(plan.gpu_total)} GiB -> {gpu_fits}")
     else:
         print(f"GPU: none visible here; the estimate above is {_gib(plan.gpu_total)} GiB")
+    if args.gpu_gib is not None:
+        print(_long_context_fit(shape, args, int(args.gpu_gib * GiB), available))
     mode = f"LoRA r={args.lora_rank}, " if args.lora_rank is not None else ""
     if args.base_quantization != "none":
         mode += f"{args.base_quantization} base, "
@@ -222,6 +236,52 @@ def _print_ranks(plan: MemoryPlan, ranks, args) -> int:
     print(f"host RAM {source}: {_gib(available)} GiB per host; the fullest host {_gib(max(ranks.host_bytes))} + "
           f"headroom {_gib(DEFAULT_HEADROOM_BYTES)} = {_gib(need)} GiB -> {verdict}")
     return 0
+def _tile_arg(value: str):
+    if value in ("auto", "none", "None"):
+        return None if value.lower() == "none" else "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: allowed auto, none or a number of tokens") from None
+
+
+def activation_lines(plan: MemoryPlan) -> str:
+    """Where the activation bytes of one micro-batch go, per unit and per token."""
+    s, tokens = plan.shape, plan.tokens_per_micro_batch
+    cbytes = 2 if plan.compute_dtype == "bf16" else 4
+    untiled = activations.layer_working_set(tokens, s.hidden, s.q_dim, s.kv_dim, s.intermediate, cbytes)
+    kept = activations.kept_checkpoints(s.layers, plan.checkpoint_interval)
+    chunk = plan.gpu_logits // (s.vocab * (cbytes + 12))  # tokens of the logits the plan holds at once
+    tile = plan.sequence_tile_tokens
+    ckpt_where = "host" if plan.host_checkpoints else "GPU"
+    rows = [(f"checkpoint per unit (fp32 tokens x hidden), {kept} kept on the {ckpt_where}", tokens * s.hidden * 4),
+            (f"inputs of a block held (checkpoint_interval={plan.checkpoint_interval})", plan.gpu_recomputed_inputs),
+            ("one layer's recompute, MLP untiled", untiled),
+            (f"one layer's recompute, MLP in {activations.tiles(tokens, tile)} tiles of {tile} tokens" if tile
+             else "one layer's recompute as planned (untiled)", plan.gpu_layer_working_set),
+            (f"logits chunk ({min(tokens, chunk)} tokens x vocab {s.vocab})", plan.gpu_logits)]
+    lines = [f"{f'ACTIVATIONS ({tokens} tokens per micro-batch)':<64}{'GiB':>9}"]
+    lines += [f"  {label:<62}{_gib(value):>9}" for label, value in rows]
+    return "\n".join(lines)
+
+
+def _long_context_fit(shape: ModelShape, args, gpu_bytes: int, host_bytes: int) -> str:
+    options = dict(micro_batch=args.micro_batch, grad_accum=args.grad_accum, compute_dtype=args.dtype,
+                   layer_major=args.layer_major, chunked_loss=args.chunked_loss, host_staging=args.host_staging,
+                   loss_chunk_tokens=args.loss_chunk_tokens, lora_rank=args.lora_rank,
+                   sequence_tile_tokens=args.sequence_tile_tokens)
+    where = placement(shape, args.seq_len, gpu_bytes, host_bytes, **options)
+    budget = f"a {_gib(gpu_bytes)} GiB GPU and {_gib(host_bytes)} GiB host RAM"
+    lines = [f"at seq {args.seq_len} on {budget}: " + (_placed(where) if where else "nothing fits")]
+    seq, best = longest_sequence(shape, gpu_bytes, host_bytes, **options)
+    lines.append(f"longest sequence that fits {budget}: {seq} tokens" + (f" ({_placed(best)})" if best else ""))
+    return "\n".join(lines)
+
+
+def _placed(plan: MemoryPlan) -> str:
+    where = "offloaded to host" if plan.host_checkpoints else "on the GPU"
+    return (f"checkpoints {where}, checkpoint_interval={plan.checkpoint_interval}; GPU {_gib(plan.gpu_total)} GiB, "
+            f"host {_gib(plan.host_total)} GiB")
 
 
 def _table(plan: MemoryPlan) -> str:

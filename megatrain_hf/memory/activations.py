@@ -59,3 +59,31 @@ def resolve_tile(option: int | str | None, tokens: int, hidden: int, intermediat
 
 def tiles(tokens: int, tile: int | None) -> int:
     return 1 if tile is None else math.ceil(tokens / tile)
+
+
+def layer_working_set(tokens: int, hidden: int, q_dim: int, kv_dim: int, intermediate: int, compute_bytes: int,
+                      tile: int | None = None) -> int:
+    """Recomputing one decoder layer with grad (module docstring): the attention part for every token,
+    the MLP's intermediates for every token, or for one tile of ``tile`` tokens."""
+    attention = tokens * (compute_bytes * (2 * hidden + 2 * q_dim + 2 * kv_dim) + 4 * 6 * hidden)
+    if tile is None or tile >= tokens:
+        return attention + tokens * 4 * compute_bytes * intermediate
+    return attention + mlp_tile_bytes(tile, intermediate, compute_bytes)
+
+
+def kept_checkpoints(layers: int, interval: int = 1) -> int:
+    """Units whose input stays as a checkpoint: every layer, the final norm and the head; with
+    ``checkpoint_interval=k`` every k-th of the chain of layers and norm, and the head."""
+    if interval <= 1:
+        return layers + 2
+    return math.ceil((layers + 1) / interval) + 1
+
+
+def checkpoint_bytes(tokens: int, hidden: int, layers: int, interval: int = 1) -> int:
+    """fp32 ``tokens x hidden`` per kept checkpoint (the residual stream of mixed-precision training)."""
+    return kept_checkpoints(layers, interval) * tokens * hidden * 4
+
+
+def recomputed_inputs_bytes(tokens: int, hidden: int, interval: int = 1) -> int:
+    """With ``checkpoint_interval=k``: the k-1 inputs of a block held on the device for its backward."""
+    return max(0, interval - 1) * tokens * hidden * 4

@@ -17,6 +17,7 @@ from ..core.grads import MAX_PENDING_SENDS
 from ..core.layout import MOMENT_FORMATS, aligned
 from ..core.layout import loss_chunk_tokens as loss_chunk
 from ..core.quant import CHUNK_ELEMENTS
+from . import activations
 from .host import DEFAULT_HEADROOM_BYTES, TIER_LABELS, GiB, _check_int, check_host_memory, gib
 from .model_layout import LORA_TARGETS, _host_tiers, _layout, _UnitLayout, _wire_bytes  # noqa: F401 (re-exported)
 from .shapes import ModelShape
@@ -28,11 +29,6 @@ GPU_RUNTIME_ALLOWANCE_BYTES = 1 * GiB
 
 _COMPUTE_BYTES = {"bf16": 2, "bfloat16": 2, "fp32": 4, "float32": 4}
 _DTYPE_BY_NAME = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
-
-def _offloaded_checkpoint_bytes(shape: ModelShape, tokens: int) -> int:
-    """Activation checkpoints of ``tokens`` (all micro-batches in flight): every decoder layer's,
-    the final norm's and the head's input, fp32 (the residual stream of mixed-precision training)."""
-    return (shape.layers + 2) * tokens * shape.hidden * 4
 
 
 # ---------------------------------------------------------------------------------------- plan
@@ -88,6 +84,12 @@ class MemoryPlan:
 
     gpu_weight_slots: int
     """Two slots of the largest unit's weights in wire dtype: the unit computing + the one prefetched."""
+    sequence_tile_tokens: int | None = None
+    """Tokens per MLP tile (``sequence_tile_tokens`` resolved for this batch); None: untiled."""
+    checkpoint_interval: int = 1
+    """Every k-th unit keeps its checkpoint (``checkpoint_interval``)."""
+    gpu_recomputed_inputs: int = 0
+    """With ``checkpoint_interval=k``: the k-1 recomputed inputs of the block being back-propagated."""
     gpu_checkpoints: int
     """Activation checkpoints: one fp32 ``tokens x hidden`` tensor per decoder layer (plus the final
     norm's and lm_head's inputs) per micro-batch in flight. The only item that grows with depth."""
@@ -152,6 +154,7 @@ class MemoryPlan:
         return {
             "weight_slots": self.gpu_weight_slots,
             "checkpoints": self.gpu_checkpoints,
+            "recomputed_inputs": self.gpu_recomputed_inputs,
             "layer_working_set": self.gpu_layer_working_set,
             "weight_grads": self.gpu_weight_grads,
             "logits": self.gpu_logits,
@@ -199,13 +202,15 @@ class MemoryPlan:
         lines.append(f"  {'total':<{w - 2}}{gib(self.host_total):>9}{self.host_total / per:>9.2f}")
         lines.append("")
         lines.append(f"{'GPU (estimate)':<{w}}{'GiB':>9}")
-        n_ckpt = s.layers + 2
+        n_ckpt = activations.kept_checkpoints(s.layers, self.checkpoint_interval)
         gpu_labels = {
             "weight_slots": "weight slots (2 x largest unit, wire dtype)",
             "checkpoints": (f"checkpoints in transit (2 x {self.micro_batches_in_flight} micro-batch)"
                             if self.host_checkpoints else
                             f"checkpoints ({n_ckpt} units x {self.micro_batches_in_flight} micro-batch)"),
-            "layer_working_set": "one layer's recompute working set",
+            "recomputed_inputs": f"inputs of a block (checkpoint_interval={self.checkpoint_interval})",
+            "layer_working_set": "one layer's recompute working set" + (
+                f" (MLP tiles of {self.sequence_tile_tokens})" if self.sequence_tile_tokens else ""),
             "weight_grads": f"weight grads, fp32 ({MAX_PENDING_SENDS + 2} x largest unit)",
             "logits": "logits + loss (tokens or one chunk x vocab)",
             "dequant": f"dequantized base ({self.base_quantization}: largest unit)",
@@ -233,6 +238,8 @@ def plan_memory(
     offload_checkpoints: bool = False,
     base_quantization: str = "none",
     optimizer_state: str = "fp32",
+    sequence_tile_tokens: int | str | None = "auto",
+    checkpoint_interval: int = 1,
 ) -> MemoryPlan:
     """Plan the host tiers (exact) and the GPU items (estimate) of training ``shape``.
 
@@ -246,6 +253,8 @@ def plan_memory(
     ``base_quantization``: ``"int8"`` / ``"nf4"`` store and stream the LoRA-adapted base weights
     quantized (needs ``lora_rank``), as ``MegaTrainConfig(base_quantization=...)``.
     ``optimizer_state``: the AdamW moments' format, ``"fp32"``, ``"bf16"``, ``"8bit"`` or ``"4bit"``.
+    in flight (the one going down, the one coming back up). ``sequence_tile_tokens`` and
+    ``checkpoint_interval``: the options of the same names (``activations.py``).
     """
     _check_int("seq_len", seq_len)
     _check_int("micro_batch", micro_batch)
@@ -299,8 +308,9 @@ def plan_memory(
     if shape.experts:  # a token's routed experts and the shared one (dense layers: the dense MLP)
         routed = shape.experts_per_token * shape.expert_intermediate + shape.shared_expert_intermediate
         i = max(routed, shape.intermediate if shape.dense_layers else 0)
-    per_token = cbytes * (2 * h + 2 * shape.q_dim + 2 * shape.kv_dim + 4 * i) + 4 * (6 * h)
-    checkpoints = _offloaded_checkpoint_bytes(shape, in_flight * tokens)
+    _check_int("checkpoint_interval", checkpoint_interval)
+    tile = activations.resolve_tile(sequence_tile_tokens, tokens, h, i, cbytes) if not shape.experts else None
+    checkpoints = activations.checkpoint_bytes(in_flight * tokens, h, shape.layers, checkpoint_interval)
     plan = MemoryPlan(
         shape=shape,
         seq_len=seq_len,
@@ -321,7 +331,10 @@ def plan_memory(
         host_checkpoints=checkpoints if offload_checkpoints else 0,
         gpu_weight_slots=2 * max(wire(u) for u in distinct),
         gpu_checkpoints=2 * in_flight * tokens * h * 4 if offload_checkpoints else checkpoints,
-        gpu_layer_working_set=tokens * per_token,
+        sequence_tile_tokens=tile,
+        checkpoint_interval=checkpoint_interval,
+        gpu_recomputed_inputs=activations.recomputed_inputs_bytes(tokens, h, checkpoint_interval),
+        gpu_layer_working_set=activations.layer_working_set(tokens, h, shape.q_dim, shape.kv_dim, i, cbytes, tile),
         gpu_weight_grads=(MAX_PENDING_SENDS + 2) * max(grads(u) for u in distinct),
         # chunked loss: one chunk's logits at a time; else every in-flight micro-batch's logits and
         # log-probs wait for the backward (layer-major: the step's one backward)

@@ -150,7 +150,7 @@ def _check_example_lengths(trainer, engine) -> None:
     a sized dataset of at most ``_SCAN_LIMIT`` examples. The per-forward check covers the rest."""
     from transformers.trainer_utils import has_length
 
-    from ...hf.checks import position_limit, sequence_too_long
+    from ...hf.checks import limit_reason, position_limit, sequence_too_long
     from ...hf.families import unwrap
 
     dataset = trainer.train_dataset
@@ -172,7 +172,8 @@ def _check_example_lengths(trainer, engine) -> None:
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] > limit:
         raise sequence_too_long(lengths[longest], limit, getattr(text, "model_type", "?"),
-                                where=f"example {longest} of train_dataset ({type(dataset).__name__})")
+                                where=f"example {longest} of train_dataset ({type(dataset).__name__})",
+                                reason=limit_reason(text))
 
 
 def _arrow_lengths(dataset) -> list[int] | None:
