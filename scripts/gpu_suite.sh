@@ -189,7 +189,7 @@ for stage in "${stages[@]}"; do
       [ -z "$DRY" ] && summary "disk rates rc=$? $(tail -4 "$R/disk-rates.log" | tr -d '\n ')"
       # shellcheck disable=SC2086  # D13 are words
       run "$R/disk-13b-estimate.json" python3 -m megatrain_hf.cli estimate $D13 --no-host-staging --offload-dir "$D" --json
-      layers=MAX_LAYERS
+      layers=40  # under --dry-run the shape's own depth; a real run takes the estimate's
       [ -z "$DRY" ] && layers=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['disk_tier']['max_layers'])" \
         "$R/disk-13b-estimate.json") && summary "disk-13b: the estimate's largest depth: $layers layers"
       bench_stage disk-13b "$D13 --layers $layers --warmup-steps 1 --steps 1 --systems megatrain --timeout 480 --dtype bf16 --device cuda" \

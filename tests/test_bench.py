@@ -432,20 +432,22 @@ def test_gpu_suite_dry_run_commands_parse():
     assert done.returncode == 0, done.stderr
     commands = [shlex.split(line[len("DRY:"):]) for line in done.stdout.splitlines() if line.startswith("DRY:")]
     parts = {"longctx": ["longctx-64k", "longctx-128k"], "longctx-more": ["longctx-256k"]}  # several benches
-    # dp-7b: one run on 1 GPU, one on 2
-    assert len(commands) == len(stages) + 1 + sum(len(p) - 1 for p in parts.values())
+    # dp-7b: one run on 1 GPU, one on 2; disk-13b: the raw disk rates and the estimate before its bench
+    assert len(commands) == len(stages) + 1 + 2 + sum(len(p) - 1 for p in parts.values())
     dp = [w for w in commands if "scripts/gpu_train.py" in w]
     assert [w[w.index("--nproc_per_node") + 1] for w in dp] == ["1", "2"]
     assert all(w[w.index("--micro-batch") + 1] == "2" and w[w.index("--hidden") + 1] == "4096" for w in dp)
     benches = {}
     for words in commands:
-        if "megatrain_hf.cli" not in words:
+        if "megatrain_hf.cli" not in words or "bench" not in words:
             continue
         argv = words[words.index("bench") + 1:]
         args = build_parser().parse_args(argv)
         stage = Path(args.out).name
         assert Path(args.out).parent.name == "abc1234"  # named with the commit
-        if stage.startswith("longctx"):  # megatrain alone, with its long-context options
+        if stage == "disk-13b":  # megatrain alone, with the disk tier
+            assert json.loads(words[1].split("=", 1)[1])["offload_dir"] and args.systems == "megatrain"
+        elif stage.startswith("longctx"):  # megatrain alone, with its long-context options
             assert words[1].startswith("MEGATRAIN_CONFIG=") and json.loads(words[1].split("=", 1)[1])
             assert args.model == "llama-7b" and args.seq_len >= 65536 and args.systems == "megatrain"
         else:
