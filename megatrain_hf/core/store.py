@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from .layout import Entry, Kind, TensorSpec, UnitSizes, lay_out, wire_dtype
-from .quant import quant_format, quantize_into, quantize_tensor
+from .quant import QuantWork, quant_format, quantize_into, quantize_tensor
 from .readiness import UnitGates
 
 logger = logging.getLogger(__name__)
@@ -199,6 +199,7 @@ class HostStore:
         return flat
 
     def _allocate(self, sources, ranges) -> None:
+        work = None  # the quantization's chunk buffers, one set for every tensor
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
             sizes = self._sizes[u]
@@ -220,11 +221,12 @@ class HostStore:
                 region = flat[e.offset : e.offset + e.numel]
                 if e.quant is not None:
                     read = ranges(e.tensor) if ranges is not None else None
+                    work = work or QuantWork()
                     with torch.no_grad():
                         if read is None:
-                            quantize_tensor(e.quant, e.tensor, region)
+                            quantize_tensor(e.quant, e.tensor, region, work)
                         else:
-                            quantize_into(e.quant, read, region)
+                            quantize_into(e.quant, read, region, work)
                     e.tensor.data = torch.full((), float("nan"), dtype=e.tensor.dtype).expand(e.shape)
                     continue
                 fill = sources(e.tensor) if sources is not None else None

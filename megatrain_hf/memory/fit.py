@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .host import DEFAULT_HEADROOM_BYTES, _check_int, gib
-from .plan import _COMPUTE_BYTES, _DTYPE_BY_NAME, LORA_TARGETS, _host_tiers, _layout, _offloaded_checkpoint_bytes
+from .units import _COMPUTE_BYTES, _DTYPE_BY_NAME, LORA_TARGETS, _host_tiers, _layout, _offloaded_checkpoint_bytes
 from .shapes import PRESETS, ModelShape
 
 

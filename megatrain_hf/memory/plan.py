@@ -11,114 +11,20 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import torch
 
 from ..core.grads import MAX_PENDING_SENDS
-from ..core.layout import TensorSpec, aligned, host_tiers, lay_out, wire_dtype
+from ..core.layout import aligned
 from ..core.layout import loss_chunk_tokens as loss_chunk
-from ..core.quant import CHUNK_ELEMENTS, quant_format
+from ..core.quant import DEQUANT_CHUNK_ELEMENTS, DEQUANT_TEMP_BYTES
 from .host import DEFAULT_HEADROOM_BYTES, TIER_LABELS, GiB, _check_int, check_host_memory, gib
 from .shapes import ModelShape
+from .units import (_COMPUTE_BYTES, _DTYPE_BY_NAME, LORA_TARGETS, _host_tiers, _layout,  # noqa: F401 (fit, tests)
+                    _offloaded_checkpoint_bytes, _UnitLayout, _wire_bytes)
 
 logger = logging.getLogger(__name__)
 
 GPU_RUNTIME_ALLOWANCE_BYTES = 1 * GiB
 """Fixed GPU allowance for the CUDA context, cuBLAS/cuDNN workspaces and allocator slack."""
-
-_COMPUTE_BYTES = {"bf16": 2, "bfloat16": 2, "fp32": 4, "float32": 4}
-_DTYPE_BY_NAME = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""Linear layers of a Llama-style decoder layer that LoRA can adapt (PEFT's module names)."""
-
-
-# ---------------------------------------------------------------------------------------- layout
-@dataclass(frozen=True)
-class _Tensor:
-    numel: int
-    matrix: bool  # ndim >= 2
-    trainable: bool
-    lora: bool = False  # a LoRA matrix (fp32 on the wire, whatever its shape)
-    quant: str | None = None  # a base weight stored quantized with this scheme ...
-    rows_cols: tuple[int, int] = (0, 0)  # ... of this (out, in) shape
-
-
-@dataclass(frozen=True)
-class _UnitLayout:
-    kind: str  # "embedding" | "layer" | "norm" | "head"
-    tensors: tuple[_Tensor, ...]
-    reads_embedding: bool = False  # a tied head computes with the embedding's fp32 flat
-
-    def specs(self, compute_dtype: torch.dtype) -> list[TensorSpec]:
-        """The tensors as the store lays them out, wire dtype by the store's own rule."""
-        return [
-            TensorSpec(quant_format(t.quant, t.rows_cols, compute_dtype).nbytes, False, torch.uint8) if t.quant else
-            TensorSpec(t.numel, t.trainable, wire_dtype(torch.float32, 2 if t.matrix else 1, compute_dtype,
-                                                          embedding=self.kind == "embedding",
-                                                          name="lora_A.weight" if t.lora else ""))
-            for t in self.tensors
-        ]
-
-
-def _layer_layout(shape: ModelShape, layer: int, lora_rank: int | None, lora_targets: Iterable[str],
-                  base_quantization: str = "none") -> _UnitLayout:
-    lora = lora_rank is not None
-    full = not lora
-    tensors: list[_Tensor] = []
-    for lname, (fi, fo, bias) in shape.linears(layer).items():
-        adapted = lora and lname in lora_targets
-        quant = base_quantization if adapted and base_quantization != "none" else None
-        if quant and quant_format(quant, (fo, fi), torch.bfloat16) is None:
-            quant = None  # not whole blocks: the store keeps it unquantized too
-        tensors.append(_Tensor(fi * fo, True, full, quant=quant, rows_cols=(fo, fi)))
-        if bias:
-            tensors.append(_Tensor(fo, False, full))
-        if adapted:
-            tensors.append(_Tensor(lora_rank * fi, True, True, lora=True))  # lora_A: (r, in)
-            tensors.append(_Tensor(fo * lora_rank, True, True, lora=True))  # lora_B: (out, r)
-    tensors += [_Tensor(n, True, full) for n in shape.expert_tensors(layer).values()]  # router, experts
-    tensors += [_Tensor(n, False, full) for n in shape.norm_vectors()]
-    return _UnitLayout("layer", tuple(tensors))
-
-
-def _layout(shape: ModelShape, lora_rank: int | None, lora_targets: Iterable[str],
-            base_quantization: str = "none") -> list[_UnitLayout]:
-    """The units as the store sees them (all layers alike, but an MoE model's dense layers);
-    ``base_quantization``: the LoRA-adapted base weights are stored with that scheme."""
-    full = lora_rank is None
-    table = shape.vocab * shape.hidden
-    layouts: dict[bool, _UnitLayout] = {}  # a layer's layout depends only on whether it routes experts
-    for layer in range(shape.layers):
-        if shape.is_moe_layer(layer) not in layouts:
-            layouts[shape.is_moe_layer(layer)] = _layer_layout(shape, layer, lora_rank, lora_targets,
-                                                               base_quantization)
-    units = [_UnitLayout("embedding", (_Tensor(table, True, full),))]
-    if shape.positions:  # learned positions: a second lookup table
-        units.append(_UnitLayout("embedding", (_Tensor(shape.positions * shape.hidden, True, full),)))
-    units += [layouts[shape.is_moe_layer(layer)] for layer in range(shape.layers)]
-    final_norm = [_Tensor(shape.hidden, False, full)] * (2 if shape.norm_bias else 1)
-    units.append(_UnitLayout("norm", tuple(final_norm)))
-    if shape.tied:
-        units.append(_UnitLayout("head", (), reads_embedding=True))
-    else:
-        units.append(_UnitLayout("head", (_Tensor(table, True, full),)))
-    return units
-
-
-def _wire_bytes(unit: _UnitLayout, compute_dtype: torch.dtype) -> int:
-    """Bytes of a unit's own tensors on the link."""
-    return sum(aligned(s.numel) * s.wire.itemsize for s in unit.specs(compute_dtype))
-
-
-def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_staging: bool = True) -> dict[str, int]:
-    """Host bytes per tier; without ``host_staging`` the fp32 masters are sent and rounded on the device."""
-    return host_tiers([lay_out(u.specs(compute_dtype)) for u in units], compute_dtype, staging=host_staging)
-
-
-def _offloaded_checkpoint_bytes(shape: ModelShape, tokens: int) -> int:
-    """Activation checkpoints of ``tokens`` (all micro-batches in flight): every decoder layer's,
-    the final norm's and the head's input, fp32 (the residual stream of mixed-precision training)."""
-    return (shape.layers + 2) * tokens * shape.hidden * 4
 
 
 # ---------------------------------------------------------------------------------------- plan
@@ -408,7 +314,7 @@ def plan_memory(
         gpu_runtime=GPU_RUNTIME_ALLOWANCE_BYTES,
         base_quantization=base_quantization,
         gpu_dequant=max(sum(t.numel for t in u.tensors if t.quant) for u in distinct) * cbytes
-        + (8 * CHUNK_ELEMENTS if base_quantization != "none" else 0),
+        + (DEQUANT_TEMP_BYTES * DEQUANT_CHUNK_ELEMENTS if base_quantization != "none" else 0),
     )
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,
                  plan.gpu_total / GiB)
