@@ -285,3 +285,35 @@ def test_plan_counts_the_quantized_base_as_the_store_lays_it_out():
     assert largest_preset(125 * GiB, lora_rank=16, base_quantization="nf4") == "mistral-large-123b"
     with pytest.raises(ValueError, match="full fine-tune.*--lora-rank"):
         plan_memory(PRESETS["tiny"], seq_len=16, micro_batch=1, base_quantization="nf4")
+
+
+# ----------------------------------------------------------------------------- seeded random init, drawn at attach
+def test_from_config_draws_the_same_weights_whatever_reads_them(monkeypatch):
+    """A model of a config whose weights are drawn into the store at attach: NF4 from the draw in
+    chunks equals NF4 of the same draw in full; unquantized weights are the draw itself."""
+    import megatrain_hf
+    from megatrain_hf.hf import random_init
+
+    config = tiny_model("llama").config
+    monkeypatch.setattr(random_init, "BLOCK_ELEMENTS", 1000)  # blocks not aligned with anything
+    plain = megatrain_hf.from_config(config, seed=3)
+    engine = attach(plain, MegaTrainConfig(device="cpu"))
+    weights = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    assert torch.equal(weights["model.norm.weight"], torch.ones(64))
+    assert 0.015 < weights["model.layers.0.mlp.up_proj.weight"].std().item() < 0.025
+    assert not torch.equal(weights["model.layers.0.mlp.up_proj.weight"], weights["model.layers.1.mlp.up_proj.weight"])
+    engine.detach()
+    monkeypatch.setattr(Q, "CHUNK_ELEMENTS", 448)  # quantizer chunks across the draw's blocks
+    model = lora(megatrain_hf.from_config(config, seed=3))
+    engine = attach(model, MegaTrainConfig(device="cpu", base_quantization="nf4"))
+    checked = 0
+    for u in range(len(engine.store.entries)):
+        for e in engine.store.entries_of(u, Kind.FROZEN):
+            if e.quant is None:
+                continue
+            region = engine.store.buffers[u].frozen_host[e.wire][e.offset : e.offset + e.numel]
+            name = f"model.layers.{u - 1}." + e.name.replace("base_layer.", "")  # unit u is layer u - 1
+            _, expected = quantized("nf4", weights[name])
+            assert torch.equal(region, expected), name
+            checked += 1
+    assert checked == 2 * len(TARGETS)
