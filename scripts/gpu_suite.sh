@@ -40,6 +40,9 @@
 #                         megatrain and plain, 2.2 s/step each                           ~115 s
 #   7b                    7 B (Llama-2 shape), 8 x 8K (seq 4096 x mb 2 x ga 8), 3 warm-up + 4 measured:
 #                         megatrain, 8.7 s/step, fixed ~75 s                             ~165 s
+#   qlora-70b             Llama-70B shape, LoRA r=16 on an NF4 base, max_gpu_memory=24GiB, seq 2048 x ga 2,
+#                         1 warm-up + 2 measured; the base is drawn and quantized at attach (never fp32):
+#                         not measured before, build ~200-300 s guessed                 ~450 s
 #   probe                 host update/copy-engine probe (scripts/host_probe.py)          ~20 s
 #   NAME (letters, digits, _) with BENCH_ARGS_NAME set: `megatrain bench $BENCH_ARGS_NAME`, megatrain's
 #                         options from CONFIG_NAME (JSON), earlier results in out/NAME merged (--merge)
@@ -68,10 +71,15 @@ ARGS[baselines-16k-more]="$B16 --systems deepspeed_offloadpp,deepspeed_zenflow,f
 ARGS[baselines-4x16k]="$B64 --systems megatrain,deepspeed,plain --timeout 300"
 ARGS[baselines-4x16k-more]="$B64 --systems deepspeed_zero2,deepspeed_offloadpp,fsdp2 --timeout 300"
 ARGS[1.36b]="--model llama-1.36b --seq-len 2048 --micro-batch 8 --grad-accum 4 --warmup-steps 4 --steps 6 --systems megatrain,plain --timeout 200"
+# Llama-2-70B shape, LoRA r=16 on every linear over an NF4 base, a 24 GiB GPU budget (docs/qlora.md):
+# `megatrain estimate --model llama-70b --lora-rank 16 --base-quantization nf4 --seq-len 2048 --grad-accum 2
+# --host-gib 125` plans 37.4 GiB of host RAM and 16.8 GiB of GPU (checkpoints on the GPU: 10.3 GiB)
+ARGS[qlora-70b]="--model llama-70b --seq-len 2048 --micro-batch 1 --grad-accum 2 --warmup-steps 1 --steps 2 --systems megatrain --lora-rank 16 --base-quantization nf4 --timeout 560"
+CONFIG_QLORA='{"max_gpu_memory": "24GiB"}'
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
 EST=([tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
-     [1.36b]=115 [7b]=165 [probe]=20)
-ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b probe"
+     [1.36b]=115 [7b]=165 [qlora-70b]=450 [probe]=20)
+ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b qlora-70b probe"
 
 DRY=${DRY_RUN:-}
 [ "$DRY" = 0 ] && DRY=
@@ -158,6 +166,8 @@ for stage in "${stages[@]}"; do
       rc=$?; [ -z "$DRY" ] && summary "probe rc=$rc $(tail -12 "$R/probe.log")";;
     baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b)
       bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda";;
+    qlora-70b)
+      bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda" "$CONFIG_QLORA";;
     *)
       var="BENCH_ARGS_${stage}" cfg="CONFIG_${stage}"
       if [[ ! $stage =~ ^[A-Za-z0-9_]+$ ]] || [ -z "${!var:-}" ]; then
