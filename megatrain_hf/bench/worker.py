@@ -246,7 +246,8 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
     last = args.warmup_steps + args.steps  # the two steps of a profile after it are not measured
     summary = summarize_steps([s for s in timer.steps if s["step"] <= last], args.warmup_steps)
     tokens = args.micro_batch * args.seq_len * args.grad_accum
-    flops = model_flops_per_step(shape, args.seq_len, tokens)
+    lora = getattr(args, "lora_rank", None) is not None  # LoRA: the frozen base costs no weight gradients
+    flops = model_flops_per_step(shape, args.seq_len, tokens, params if lora else None)
     mean_s, median_s = summary["step_time_mean_s"], summary["step_time_median_s"]
     gib = 2**30
     cuda = args.device == "cuda"
@@ -254,7 +255,7 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
         "status": "ok",
         "params": params,
         "tokens_per_step": tokens,
-        "model_flops_per_token": model_flops_per_token(shape, args.seq_len),
+        "model_flops_per_token": model_flops_per_token(shape, args.seq_len, params if lora else None),
         "model_flops_per_step": flops,
         **summary,
         "tokens_per_s": tokens / mean_s,
