@@ -63,7 +63,9 @@ class Engine:
         located = self.family.locate(model)
         check_coverage(model, located)
         named = list(zip(located.names, located.modules))
-        schemes = quantized_weights(model, config.base_quantization)
+        deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
+        schemes = quantized_weights(model, config.base_quantization,
+                                    deferred.stored_schemes(model) if deferred is not None else None)
         quantize = (lambda p: schemes.get(id(p))) if schemes else None
         staging = config.host_staging is not False
         if config.check_host_memory:
@@ -72,13 +74,13 @@ class Engine:
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
-        deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
         try:
             self.store = HostStore(named, compute_dtype=dtype, pin=config.resolve_pin(device),
                                    embedding_units=located.embedding_units, staging=staging,
                                    frozen_in_wire_dtype=frozen_in_wire_dtype,
                                    sources=deferred.source if deferred is not None else None, quantize=quantize,
-                                   ranges=deferred.ranges if deferred is not None else None)
+                                   ranges=deferred.ranges if deferred is not None else None,
+                                   stored_quantized=deferred.quantized_source if deferred is not None else None)
         finally:
             if deferred is not None:
                 deferred.close()

@@ -317,3 +317,73 @@ def test_from_config_draws_the_same_weights_whatever_reads_them(monkeypatch):
             assert torch.equal(region, expected), name
             checked += 1
     assert checked == 2 * len(TARGETS)
+
+
+# ----------------------------------------------------------------------------- checkpoints bitsandbytes quantized
+def _bnb_folder(tmp_path, scheme: str, F=None) -> str:
+    """A save_pretrained folder of the tiny Llama whose TARGETS linears are stored as bitsandbytes
+    stores them (``QuantState.as_dict(packed=True)`` / ``Int8Params``' CB and SCB): made by bitsandbytes
+    when ``F`` (its functional module) is given, else by our quantizer in bitsandbytes' format."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for name in list(state):
+        module = name[: -len(".weight")]
+        if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in TARGETS:
+            continue
+        w = state.pop(name)
+        if scheme == "int8":
+            if F is not None:
+                cb, scb, _ = F.int8_vectorwise_quant(w.to(torch.float16))
+            else:
+                fmt, raw = quantized("int8", w)
+                cb, scb = (t.clone() for t in Q._pieces(fmt, raw))
+                cb = cb.view(w.shape)
+            state.update({name: cb, module + ".SCB": scb, module + ".weight_format": torch.tensor(0, dtype=torch.uint8)})
+            continue
+        if F is not None:
+            packed, qs = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+            codes, absmax, absmax2, offset = packed, qs.absmax, qs.state2.absmax, qs.offset.item()
+        else:
+            fmt, raw = quantized("nf4", w)
+            codes, absmax, absmax2, off = (t.clone() for t in Q._pieces(fmt, raw))
+            codes, offset = codes.view(-1, 1), off.item()
+        meta = {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": list(w.shape),
+                "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": offset}
+        state.update({name: codes, name + ".absmax": absmax, name + ".quant_map": Q.table("nf4").clone(),
+                      name + ".nested_absmax": absmax2, name + ".nested_quant_map": Q.dynamic_map(),
+                      name + ".quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(meta).encode()),
+                                                                            dtype=torch.uint8)})
+    folder = tmp_path / f"bnb-{scheme}"
+    model.config.save_pretrained(folder)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.mark.parametrize("scheme", Q.SCHEMES)
+def test_a_checkpoint_bitsandbytes_quantized_is_read_as_stored(tmp_path, scheme):
+    """The stored codes become the store's bytes (no requantization): the same bytes as quantizing the
+    unquantized weights (which our quantizer and bitsandbytes' agree on), and training runs on them."""
+    import megatrain_hf
+
+    F = _bitsandbytes()
+    for maker in (None, F) if F is not None else (None,):
+        folder = _bnb_folder(tmp_path / ("bnb" if maker else "ours"), scheme, maker)
+        model = lora(megatrain_hf.from_pretrained(folder))
+        engine = attach(model, MegaTrainConfig(base_quantization=scheme, device="cpu"))
+        reference = attach(lora(tiny_model("llama")), MegaTrainConfig(base_quantization=scheme, device="cpu"))
+        for u in range(1, 3):
+            for e, r in zip(engine.store.entries_of(u, Kind.FROZEN), reference.store.entries_of(u, Kind.FROZEN)):
+                if e.quant is None:
+                    continue
+                mine = engine.store.buffers[u].frozen_host[e.wire][e.offset : e.offset + e.numel]
+                theirs = reference.store.buffers[u].frozen_host[r.wire][r.offset : r.offset + r.numel]
+                values = Q.dequantize(e.quant, mine), Q.dequantize(r.quant, theirs)
+                if maker is None or scheme == "int8":
+                    assert torch.equal(mine, theirs), e.name
+                assert torch.equal(*values) if maker is None else (values[0] - values[1]).abs().max() < 1e-2
+    with pytest.raises(ValueError, match=rf"quantized by bitsandbytes as \['{scheme}'\] but base_quantization='none'"):
+        attach(lora(megatrain_hf.from_pretrained(folder)), MegaTrainConfig(device="cpu"))

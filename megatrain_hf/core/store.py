@@ -94,7 +94,8 @@ class HostStore:
     flat (called with the slice, 1-D, in the flat's dtype) or None to copy the tensor into it;
     ``quantize(tensor)`` the scheme a frozen tensor is stored in (None: as is), and ``ranges(tensor)``
     what reads its elements ``[first, first + n)`` into an fp32 buffer (a checkpoint read) or None
-    (read the tensor). The store does not know what a model is.
+    (read the tensor); ``stored_quantized(tensor)`` what copies a tensor stored quantized already
+    (``fill(format, byte_range)``), or None. The store does not know what a model is.
     """
 
     def __init__(
@@ -108,6 +109,7 @@ class HostStore:
         sources: Callable[[torch.Tensor], Callable[[torch.Tensor], None] | None] | None = None,
         quantize: Callable[[torch.Tensor], str | None] | None = None,
         ranges: Callable[[torch.Tensor], Callable[[int, int, torch.Tensor], None] | None] | None = None,
+        stored_quantized: Callable[[torch.Tensor], Callable | None] | None = None,
     ) -> None:
         self.compute_dtype = compute_dtype
         self.frozen_in_wire_dtype = frozen_in_wire_dtype
@@ -123,7 +125,7 @@ class HostStore:
         self._param_home: dict[int, tuple[int, Entry]] = {}
         self._quantize = quantize
         self._sizes = self._plan(units, embedding_units)
-        self._allocate(sources, ranges)
+        self._allocate(sources, ranges, stored_quantized)
         self.gates = UnitGates(self.names)
 
     # ------------------------------------------------------------------ layout
@@ -198,7 +200,7 @@ class HostStore:
         self._registered.append(flat)
         return flat
 
-    def _allocate(self, sources, ranges) -> None:
+    def _allocate(self, sources, ranges, stored_quantized=None) -> None:
         work = None  # the quantization's chunk buffers, one set for every tensor
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
@@ -221,9 +223,12 @@ class HostStore:
                 region = flat[e.offset : e.offset + e.numel]
                 if e.quant is not None:
                     read = ranges(e.tensor) if ranges is not None else None
+                    copy = stored_quantized(e.tensor) if stored_quantized is not None else None
                     work = work or QuantWork()
                     with torch.no_grad():
-                        if read is None:
+                        if copy is not None:  # already quantized in the checkpoint: its bytes as stored
+                            copy(e.quant, region)
+                        elif read is None:
                             quantize_tensor(e.quant, e.tensor, region, work)
                         else:
                             quantize_into(e.quant, read, region, work)
