@@ -118,6 +118,7 @@ class UnitSizes:
     n_train: int = 0  # master (= gradient = each moment) elements, alignment included
     n_staged: int = 0  # master[:n_staged] crosses the link in the compute dtype (its staging copy)
     frozen: dict[torch.dtype, int] = field(default_factory=dict)  # wire dtype -> frozen flat elements
+    train_numels: list[int] = field(default_factory=list)  # each trainable tensor's elements (its own blocks)
 
 
 def lay_out(specs: list[TensorSpec]) -> UnitSizes:
@@ -132,6 +133,7 @@ def lay_out(specs: list[TensorSpec]) -> UnitSizes:
     for s in fp32:
         s.offset = sizes.n_train
         sizes.n_train += aligned(s.numel)
+    sizes.train_numels = [s.numel for s in staged + fp32]
     for s in specs:
         if not s.trainable:
             s.offset = sizes.frozen.get(s.wire, 0)
@@ -143,17 +145,32 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+MOMENT_FORMATS = {"fp32": (32, 0), "bf16": (16, 0), "8bit": (8, 256), "4bit": (4, 128)}
+"""``optimizer_state`` -> (bits per element, elements per fp32 block scale; 0: none) of HostAdamW's
+moments (the formats themselves: ``optim/quant.py``)."""
+
+
+def moment_bytes(sizes: UnitSizes, optimizer_state: str) -> int:
+    """Host bytes of one AdamW moment of one unit in ``optimizer_state``: the codes, laid out like
+    the master flat, plus one fp32 scale per block of each trainable tensor."""
+    bits, block = MOMENT_FORMATS[optimizer_state]
+    scales = 4 * max(1, sum(-(-n // block) for n in sizes.train_numels)) if block else 0
+    return (sizes.n_train * bits + 7) // 8 + scales
+
+
 def host_tiers(units: list[UnitSizes], compute_dtype: torch.dtype, *, staging: bool,
-               optimizer_state: bool = True) -> dict[str, int]:
+               optimizer_state: bool | str = True) -> dict[str, int]:
     """Host bytes per tier of units laid out by :func:`lay_out`.
 
     ``staging``: whether the store keeps the compute-dtype copy (never for fp32 compute);
-    ``optimizer_state``: count HostAdamW's two fp32 moments per trainable element.
+    ``optimizer_state``: HostAdamW's two moments per trainable element in that format (``"fp32"``,
+    ``"bf16"``, ``"8bit"``, ``"4bit"``; ``True``: fp32), or ``False``: not counted.
     """
     trainable = sum(s.n_train for s in units)
     staged = sum(s.n_staged for s in units) if staging and compute_dtype != torch.float32 else 0
     frozen = sum(n * dtype_bytes(d) for s in units for d, n in s.frozen.items())
-    moments = 4 * trainable if optimizer_state else 0
+    state = "fp32" if optimizer_state is True else optimizer_state
+    moments = sum(moment_bytes(s, state) for s in units if s.n_train) if state else 0
     return {
         "master": 4 * trainable,
         "grad": 4 * trainable,

@@ -39,6 +39,7 @@ import torch
 from .layout import Entry, Kind, TensorSpec, UnitSizes, lay_out, wire_dtype
 from .quant import QuantWork, quant_format, quantize_into, quantize_tensor
 from .readiness import UnitGates
+from .sharding import ReceiveSlots
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,10 @@ class HostStore:
         quantize: Callable[[torch.Tensor], str | None] | None = None,
         ranges: Callable[[torch.Tensor], Callable[[int, int, torch.Tensor], None] | None] | None = None,
         stored_quantized: Callable[[torch.Tensor], Callable | None] | None = None,
+        sharding=None,
+        slots: tuple[int, int] = (1, 1),
     ) -> None:
+        self.sharding = sharding  # core.sharding.UnitSharding under data parallelism, else None
         self.compute_dtype = compute_dtype
         self.frozen_in_wire_dtype = frozen_in_wire_dtype
         self.staging = staging and compute_dtype != torch.float32
@@ -125,6 +129,8 @@ class HostStore:
         self._param_home: dict[int, tuple[int, Entry]] = {}
         self._quantize = quantize
         self._sizes = self._plan(units, embedding_units)
+        self.remote = self._remote_units()
+        self._slots = ReceiveSlots(self, *slots) if self.remote else None
         self._allocate(sources, ranges, stored_quantized)
         self.gates = UnitGates(self.names)
 
@@ -200,12 +206,23 @@ class HostStore:
         self._registered.append(flat)
         return flat
 
+    def _remote_units(self) -> frozenset[int]:
+        """Units whose trainable state another rank owns: laid into receive slots here. A unit whose
+        flat another unit reads (a tied embedding) is kept whole on every rank."""
+        if self.sharding is None:
+            return frozenset()
+        tied = {e.owner for u, entries in enumerate(self.entries) for e in entries if e.owner != u}
+        return frozenset(u for u in range(len(self.entries))
+                         if self._sizes[u].n_train and u not in tied and not self.sharding.owns(u))
+
     def _allocate(self, sources, ranges, stored_quantized=None) -> None:
         work = None  # the quantization's chunk buffers, one set for every tensor
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
             sizes = self._sizes[u]
-            if sizes.n_train:
+            if u in self.remote:
+                self._slots.lay_out(u, bufs, sizes)
+            elif sizes.n_train:
                 bufs.master_host = self.allocate(sizes.n_train, torch.float32)
                 bufs.grad_host = self.allocate(sizes.n_train, torch.float32)
                 bufs.grad_host.zero_()
@@ -236,7 +253,9 @@ class HostStore:
                     continue
                 fill = sources(e.tensor) if sources is not None else None
                 with torch.no_grad():
-                    if fill is None:
+                    if u in self.remote and e.kind is Kind.TRAINABLE:
+                        pass  # the owner's masters arrive with each fetch
+                    elif fill is None:
                         region.copy_(e.tensor.detach().reshape(-1))
                     else:
                         fill(region)
@@ -249,15 +268,60 @@ class HostStore:
 
     # ------------------------------------------------------------------ queries
     def trainable_numel(self) -> int:
-        return sum(b.master_host.numel() for b in self.buffers if b.master_host is not None)
+        """Elements of the fp32 masters this process holds (its own units under data parallelism)."""
+        return sum(b.master_host.numel() for u, b in enumerate(self.buffers)
+                   if b.master_host is not None and u not in self.remote)
 
     def host_bytes(self) -> int:
-        total = 0
-        for b in self.buffers:
-            for t in (b.master_host, b.grad_host, b.staging_host, *b.frozen_host.values()):
+        total = self._slots.nbytes() if self._slots is not None else 0
+        for u, b in enumerate(self.buffers):
+            tensors = (*b.frozen_host.values(),) if u in self.remote else (
+                b.master_host, b.grad_host, b.staging_host, *b.frozen_host.values())
+            for t in tensors:
                 if t is not None:
                     total += t.numel() * t.element_size()
         return total
+
+    # ------------------------------------------------------------------ data parallelism
+    def before_read(self, u: int) -> None:
+        """A fetch reads unit ``u``'s masters: under data parallelism, the owner's arrive first."""
+        if self.sharding is None or self.buffers[u].master_host is None:
+            return
+        self.sharding.broadcast_master(u, self.buffers[u].master_host)
+        if u in self.remote:
+            self.buffers[u].staging_dirty = True  # the staging copy of the slot is the previous unit's
+
+    def grads_landed(self, u: int, computed: dict | None = None) -> None:
+        """Unit ``u``'s gradients of this backward are here: sum them into the owner's, tensor by tensor.
+
+        ``computed`` ({entry offset: gradient}, the CPU path of a unit another rank owns): sent straight
+        from the computed gradients, so the gradient slot is never written (nor resident)."""
+        if self.sharding is None or self.buffers[u].grad_host is None:
+            return
+        owned = self.owned_trainable(u)  # every rank sends unit u in the same backward (same graph)
+        mine = self.sharding.owns(u)
+        for e in owned:
+            g = computed.get(e.offset) if computed is not None and e.tensor.grad is None else None
+            if g is not None:  # a copy: a reduce may use a non-root's buffer as scratch
+                part = g.detach().reshape(-1).to(torch.float32, copy=True)
+            else:
+                part = self.grad_region(e)
+                if e.tensor.grad is None:  # no contribution here: a zero one (the region may be a reused slot)
+                    part.zero_()
+                    if mine:
+                        e.tensor.grad = part.view(e.shape)
+            self.sharding.reduce_grad(u, part)
+            if not mine:
+                e.tensor.grad = None  # the owner holds the sum (and the region may be a slot)
+
+    def held_grads(self) -> list[torch.Tensor]:
+        """The gradients this process holds (its own units'), for the per-step mean."""
+        return [e.tensor.grad for u in range(len(self.entries)) if self.owns(u)
+                for e in self.owned_trainable(u) if e.tensor.grad is not None]
+
+    def owns(self, u: int) -> bool:
+        """Whether this process holds unit ``u``'s gradient and optimizer state (always, without sharding)."""
+        return self.sharding is None or self.sharding.owns(u)
 
     def home_of(self, param: torch.Tensor) -> tuple[int, Entry] | None:
         """(owner unit, entry) of a parameter the store manages, else None."""
@@ -369,3 +433,4 @@ class HostStore:
     def release(self) -> None:
         """Unpin the flats. The parameters keep aliasing them (they stay valid host memory)."""
         _unregister(self._registered)
+

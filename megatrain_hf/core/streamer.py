@@ -76,8 +76,13 @@ class Streamer:
         for owner in self._owners[u]:
             self.store.gates.wait_ready(owner)  # no background update is writing these masters
         self.stats.optimizer_wait_s += time.perf_counter() - started
-        flats: dict[tuple, tuple[torch.Tensor, int]] = {}
         streams = self.streams
+        if self.store.sharding is not None:
+            if streams is not None and any(o in self.store.remote for o in self._owners[u]):
+                self.copy_stream.synchronize()  # no earlier upload still reads the receive slot
+            for owner in self._owners[u]:
+                self.store.before_read(owner)  # data parallelism: the owner's masters arrive
+        flats: dict[tuple, tuple[torch.Tensor, int]] = {}
         if streams is None:
             for owner, key in self._sources[u]:
                 host, base = self.store.source(owner, key)

@@ -11,20 +11,24 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+import torch
 
 from ..core.grads import MAX_PENDING_SENDS
-from ..core.layout import aligned
+from ..core.layout import MOMENT_FORMATS, aligned
 from ..core.layout import loss_chunk_tokens as loss_chunk
 from ..core.quant import DEQUANT_CHUNK_ELEMENTS, DEQUANT_TEMP_BYTES
+from . import activations
 from .host import DEFAULT_HEADROOM_BYTES, TIER_LABELS, GiB, _check_int, check_host_memory, gib
+from .model_layout import LORA_TARGETS, _host_tiers, _layout, _UnitLayout, _wire_bytes  # noqa: F401 (re-exported)
 from .shapes import ModelShape
-from .units import (_COMPUTE_BYTES, _DTYPE_BY_NAME, LORA_TARGETS, _host_tiers, _layout,  # noqa: F401 (fit, tests)
-                    _offloaded_checkpoint_bytes, _UnitLayout, _wire_bytes)
 
 logger = logging.getLogger(__name__)
 
 GPU_RUNTIME_ALLOWANCE_BYTES = 1 * GiB
 """Fixed GPU allowance for the CUDA context, cuBLAS/cuDNN workspaces and allocator slack."""
+
+_COMPUTE_BYTES = {"bf16": 2, "bfloat16": 2, "fp32": 4, "float32": 4}
+_DTYPE_BY_NAME = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
 
 
 # ---------------------------------------------------------------------------------------- plan
@@ -66,9 +70,9 @@ class MemoryPlan:
     host_grad: int
     """fp32 gradient accumulators: 4 B per trainable parameter."""
     host_exp_avg: int
-    """AdamW first moment, fp32: 4 B per trainable parameter."""
+    """AdamW first moment: 4 B per trainable parameter in fp32 (bf16 2, 8bit ~1.02, 4bit ~0.53)."""
     host_exp_avg_sq: int
-    """AdamW second moment, fp32: 4 B per trainable parameter."""
+    """AdamW second moment: as ``host_exp_avg``."""
     host_staging: int
     """Compute-dtype copy of trainable matrices of layers and lm_head (2 B each in bf16, none in fp32)."""
     host_frozen: int
@@ -80,6 +84,12 @@ class MemoryPlan:
 
     gpu_weight_slots: int
     """Two slots of the largest unit's weights in wire dtype: the unit computing + the one prefetched."""
+    sequence_tile_tokens: int | None = None
+    """Tokens per MLP tile (``sequence_tile_tokens`` resolved for this batch); None: untiled."""
+    checkpoint_interval: int = 1
+    """Every k-th unit keeps its checkpoint (``checkpoint_interval``)."""
+    gpu_recomputed_inputs: int = 0
+    """With ``checkpoint_interval=k``: the k-1 recomputed inputs of the block being back-propagated."""
     gpu_checkpoints: int
     """Activation checkpoints: one fp32 ``tokens x hidden`` tensor per decoder layer (plus the final
     norm's and lm_head's inputs) per micro-batch in flight. The only item that grows with depth."""
@@ -102,6 +112,8 @@ class MemoryPlan:
     gpu_dequant: int = 0
     """With ``base_quantization``: the largest unit's quantized weights dequantized to the compute
     dtype (the resident unit's flat), plus the fp32 values and int32 codes of one dequantization chunk."""
+    optimizer_state: str = "fp32"
+    """Format of the AdamW moments planned (``MegaTrainConfig.optimizer_state``)."""
 
     # -------------------------------------------------------------- totals
     @property
@@ -142,6 +154,7 @@ class MemoryPlan:
         return {
             "weight_slots": self.gpu_weight_slots,
             "checkpoints": self.gpu_checkpoints,
+            "recomputed_inputs": self.gpu_recomputed_inputs,
             "layer_working_set": self.gpu_layer_working_set,
             "weight_grads": self.gpu_weight_grads,
             "logits": self.gpu_logits,
@@ -182,18 +195,22 @@ class MemoryPlan:
         lines.append(f"{'HOST RAM (pinned, exact)':<{w}}{'GiB':>9}{'B/param':>9}")
         labels = dict(TIER_LABELS)
         labels["staging"] = f"{self.compute_dtype} staging copies (matrices)"
+        for key in ("exp_avg", "exp_avg_sq"):
+            labels[key] = f"AdamW {key} ({self.optimizer_state})"
         for key, value in self.host_breakdown().items():
             lines.append(f"  {labels[key]:<{w - 2}}{gib(value):>9}{value / per:>9.2f}")
         lines.append(f"  {'total':<{w - 2}}{gib(self.host_total):>9}{self.host_total / per:>9.2f}")
         lines.append("")
         lines.append(f"{'GPU (estimate)':<{w}}{'GiB':>9}")
-        n_ckpt = s.layers + 2
+        n_ckpt = activations.kept_checkpoints(s.layers, self.checkpoint_interval)
         gpu_labels = {
             "weight_slots": "weight slots (2 x largest unit, wire dtype)",
             "checkpoints": (f"checkpoints in transit (2 x {self.micro_batches_in_flight} micro-batch)"
                             if self.host_checkpoints else
                             f"checkpoints ({n_ckpt} units x {self.micro_batches_in_flight} micro-batch)"),
-            "layer_working_set": "one layer's recompute working set",
+            "recomputed_inputs": f"inputs of a block (checkpoint_interval={self.checkpoint_interval})",
+            "layer_working_set": "one layer's recompute working set" + (
+                f" (MLP tiles of {self.sequence_tile_tokens})" if self.sequence_tile_tokens else ""),
             "weight_grads": f"weight grads, fp32 ({MAX_PENDING_SENDS + 2} x largest unit)",
             "logits": "logits + loss (tokens or one chunk x vocab)",
             "dequant": f"dequantized base ({self.base_quantization}: largest unit)",
@@ -220,6 +237,9 @@ def plan_memory(
     lora_targets: Iterable[str] = LORA_TARGETS,
     offload_checkpoints: bool = False,
     base_quantization: str = "none",
+    optimizer_state: str = "fp32",
+    sequence_tile_tokens: int | str | None = "auto",
+    checkpoint_interval: int = 1,
 ) -> MemoryPlan:
     """Plan the host tiers (exact) and the GPU items (estimate) of training ``shape``.
 
@@ -232,6 +252,9 @@ def plan_memory(
     in flight (the one going down, the one coming back up).
     ``base_quantization``: ``"int8"`` / ``"nf4"`` store and stream the LoRA-adapted base weights
     quantized (needs ``lora_rank``), as ``MegaTrainConfig(base_quantization=...)``.
+    ``optimizer_state``: the AdamW moments' format, ``"fp32"``, ``"bf16"``, ``"8bit"`` or ``"4bit"``.
+    in flight (the one going down, the one coming back up). ``sequence_tile_tokens`` and
+    ``checkpoint_interval``: the options of the same names (``activations.py``).
     """
     _check_int("seq_len", seq_len)
     _check_int("micro_batch", micro_batch)
@@ -259,7 +282,9 @@ def plan_memory(
     dtype_name = "bf16" if cbytes == 2 else "fp32"
     dtype = _DTYPE_BY_NAME[compute_dtype]
     units = _layout(shape, lora_rank, lora_targets, base_quantization)
-    tiers = _host_tiers(units, dtype, host_staging)
+    if optimizer_state not in MOMENT_FORMATS:
+        raise ValueError(f"optimizer_state={optimizer_state!r} is not known; allowed: {list(MOMENT_FORMATS)}.")
+    tiers = _host_tiers(units, dtype, host_staging, optimizer_state)
 
     trainable = sum(t.numel for u in units for t in u.tensors if t.trainable)
     frozen = sum(t.numel for u in units for t in u.tensors if not t.trainable)
@@ -283,8 +308,9 @@ def plan_memory(
     if shape.experts:  # a token's routed experts and the shared one (dense layers: the dense MLP)
         routed = shape.experts_per_token * shape.expert_intermediate + shape.shared_expert_intermediate
         i = max(routed, shape.intermediate if shape.dense_layers else 0)
-    per_token = cbytes * (2 * h + 2 * shape.q_dim + 2 * shape.kv_dim + 4 * i) + 4 * (6 * h)
-    checkpoints = _offloaded_checkpoint_bytes(shape, in_flight * tokens)
+    _check_int("checkpoint_interval", checkpoint_interval)
+    tile = activations.resolve_tile(sequence_tile_tokens, tokens, h, i, cbytes) if not shape.experts else None
+    checkpoints = activations.checkpoint_bytes(in_flight * tokens, h, shape.layers, checkpoint_interval)
     plan = MemoryPlan(
         shape=shape,
         seq_len=seq_len,
@@ -305,7 +331,10 @@ def plan_memory(
         host_checkpoints=checkpoints if offload_checkpoints else 0,
         gpu_weight_slots=2 * max(wire(u) for u in distinct),
         gpu_checkpoints=2 * in_flight * tokens * h * 4 if offload_checkpoints else checkpoints,
-        gpu_layer_working_set=tokens * per_token,
+        sequence_tile_tokens=tile,
+        checkpoint_interval=checkpoint_interval,
+        gpu_recomputed_inputs=activations.recomputed_inputs_bytes(tokens, h, checkpoint_interval),
+        gpu_layer_working_set=activations.layer_working_set(tokens, h, shape.q_dim, shape.kv_dim, i, cbytes, tile),
         gpu_weight_grads=(MAX_PENDING_SENDS + 2) * max(grads(u) for u in distinct),
         # chunked loss: one chunk's logits at a time; else every in-flight micro-batch's logits and
         # log-probs wait for the backward (layer-major: the step's one backward)
@@ -315,6 +344,7 @@ def plan_memory(
         base_quantization=base_quantization,
         gpu_dequant=max(sum(t.numel for t in u.tensors if t.quant) for u in distinct) * cbytes
         + (DEQUANT_TEMP_BYTES * DEQUANT_CHUNK_ELEMENTS if base_quantization != "none" else 0),
+        optimizer_state=optimizer_state,
     )
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,
                  plan.gpu_total / GiB)

@@ -1,8 +1,7 @@
-"""The units of a model shape as the host store lays them out: the planner's model of ``HostStore``.
+"""A model's units as the host store will lay them out, planned from its shape alone.
 
-Which tensors each unit holds (trainable, frozen, LoRA, quantized), their wire dtype by the store's
-own rule (``core/layout.py``), the host tiers they add up to and the offloaded checkpoints' bytes;
-``plan.py`` and ``fit.py`` build on them.
+The same layout rule as the store's (``core/layout.py``): wire dtypes, alignment, the quantized
+LoRA base (``core/quant.py``), so the plan and the store cannot disagree.
 """
 
 from __future__ import annotations
@@ -16,14 +15,10 @@ from ..core.layout import TensorSpec, aligned, host_tiers, lay_out, wire_dtype
 from ..core.quant import quant_format
 from .shapes import ModelShape
 
-_COMPUTE_BYTES = {"bf16": 2, "bfloat16": 2, "fp32": 4, "float32": 4}
-_DTYPE_BY_NAME = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
-
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """Linear layers of a Llama-style decoder layer that LoRA can adapt (PEFT's module names)."""
 
 
-# ---------------------------------------------------------------------------------------- layout
 @dataclass(frozen=True)
 class _Tensor:
     numel: int
@@ -101,12 +96,11 @@ def _wire_bytes(unit: _UnitLayout, compute_dtype: torch.dtype) -> int:
     return sum(aligned(s.numel) * s.wire.itemsize for s in unit.specs(compute_dtype))
 
 
-def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_staging: bool = True) -> dict[str, int]:
-    """Host bytes per tier; without ``host_staging`` the fp32 masters are sent and rounded on the device."""
-    return host_tiers([lay_out(u.specs(compute_dtype)) for u in units], compute_dtype, staging=host_staging)
+def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_staging: bool = True,
+                optimizer_state: str = "fp32") -> dict[str, int]:
+    """Host bytes per tier; without ``host_staging`` the fp32 masters are sent and rounded on the device;
+    ``optimizer_state``: the moments' format (docs/optimizer-state.md)."""
+    return host_tiers([lay_out(u.specs(compute_dtype)) for u in units], compute_dtype, staging=host_staging,
+                      optimizer_state=optimizer_state)
 
 
-def _offloaded_checkpoint_bytes(shape: ModelShape, tokens: int) -> int:
-    """Activation checkpoints of ``tokens`` (all micro-batches in flight): every decoder layer's,
-    the final norm's and the head's input, fp32 (the residual stream of mixed-precision training)."""
-    return (shape.layers + 2) * tokens * shape.hidden * 4
