@@ -66,7 +66,9 @@ class Engine:
         located = self.family.locate(model)
         check_coverage(model, located)
         named = list(zip(located.names, located.modules))
-        schemes = quantized_weights(model, config.base_quantization)
+        deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
+        schemes = quantized_weights(model, config.base_quantization,
+                                    deferred.stored_schemes(model) if deferred is not None else None)
         quantize = (lambda p: schemes.get(id(p))) if schemes else None
         if config.offload_dir is not None and config.device_update:
             raise ValueError(f"MegaTrainConfig(offload_dir={config.offload_dir!r}) does not combine with "
@@ -79,7 +81,6 @@ class Engine:
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
-        deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
         self.sharding = sharding_from_env(len(named), config.data_parallel, config.collective_timeout_s)
         if self.sharding is not None and config.device_update:
             raise ValueError("megatrain: device_update=True is not supported under data parallelism (the GPU "
@@ -94,6 +95,7 @@ class Engine:
                                    frozen_in_wire_dtype=frozen_in_wire_dtype,
                                    sources=deferred.source if deferred is not None else None, quantize=quantize,
                                    ranges=deferred.ranges if deferred is not None else None,
+                                   stored_quantized=deferred.quantized_source if deferred is not None else None,
                                    sharding=self.sharding, slots=slots)
         finally:
             if deferred is not None:

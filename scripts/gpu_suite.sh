@@ -40,6 +40,9 @@
 #                         megatrain and plain, 2.2 s/step each                           ~115 s
 #   7b                    7 B (Llama-2 shape), 8 x 8K (seq 4096 x mb 2 x ga 8), 3 warm-up + 4 measured:
 #                         megatrain, 8.7 s/step, fixed ~75 s                             ~165 s
+#   qlora-70b             Llama-70B shape, LoRA r=16 on an NF4 base, max_gpu_memory=24GiB, seq 2048 x ga 2,
+#                         1 warm-up + 2 measured; the base is drawn and quantized at attach (never fp32):
+#                         not measured before, build ~200-300 s guessed                 ~450 s
 #   probe                 host update/copy-engine probe (scripts/host_probe.py)          ~20 s
 #   disk-13b              the disk tier (offload_dir=DISK_DIR, default /tmp/megatrain-disk, on the local
 #                         disk): raw rates (scripts/disk_rates.py, 8 GiB), the estimate, then a full
@@ -93,10 +96,15 @@ LC="--model llama-7b --micro-batch 1 --grad-accum 1 --systems megatrain"
 ARGS[longctx-64k]="$LC --seq-len 65536 --warmup-steps 1 --steps 2 --timeout 280"
 ARGS[longctx-128k]="$LC --seq-len 131072 --warmup-steps 1 --steps 2 --timeout 420"
 ARGS[longctx-256k]="$LC --seq-len 262144 --warmup-steps 0 --steps 1 --timeout 560"
+# Llama-2-70B shape, LoRA r=16 on every linear over an NF4 base, a 24 GiB GPU budget (docs/qlora.md):
+# `megatrain estimate --model llama-70b --lora-rank 16 --base-quantization nf4 --seq-len 2048 --grad-accum 2
+# --host-gib 125` plans 37.4 GiB of host RAM and 16.8 GiB of GPU (checkpoints on the GPU: 10.3 GiB)
+ARGS[qlora-70b]="--model llama-70b --seq-len 2048 --micro-batch 1 --grad-accum 2 --warmup-steps 1 --steps 2 --systems megatrain --lora-rank 16 --base-quantization nf4 --timeout 560"
+CONFIG_QLORA='{"max_gpu_memory": "24GiB"}'
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
 EST=([tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
-     [1.36b]=115 [7b]=165 [soak]=330 [probe]=20 [disk-13b]=350 [dp-7b]=300 [longctx]=450 [longctx-more]=400)
-ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak probe disk-13b dp-7b longctx longctx-more"
+     [1.36b]=115 [7b]=165 [soak]=330 [qlora-70b]=450 [probe]=20 [disk-13b]=350 [dp-7b]=300 [longctx]=450 [longctx-more]=400)
+ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak qlora-70b probe disk-13b dp-7b longctx longctx-more"
 D13="--model llama-13b --seq-len 4096 --micro-batch 1 --grad-accum 16"
 DP7B="--system megatrain --hidden 4096 --intermediate 11008 --layers 32 --heads 32 --seq 4096 --micro-batch 2 --grad-accum 4 --steps 4"
 
@@ -206,6 +214,8 @@ for stage in "${stages[@]}"; do
       done;;
     baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b|soak)
       bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda";;
+    qlora-70b)
+      bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda" "$CONFIG_QLORA";;
     longctx)
       for part in longctx-64k longctx-128k; do
         bench_stage "$part" "${ARGS[$part]} --dtype bf16 --device cuda" '{"sequence_tile_tokens": "auto"}'

@@ -447,6 +447,8 @@ def test_gpu_suite_dry_run_commands_parse():
         assert Path(args.out).parent.name == "abc1234"  # named with the commit
         if stage == "disk-13b":  # megatrain alone, with the disk tier
             assert json.loads(words[1].split("=", 1)[1])["offload_dir"] and args.systems == "megatrain"
+        elif stage == "qlora-70b":  # its own options, not the caller's
+            assert words[:2] == ["env", 'MEGATRAIN_CONFIG={"max_gpu_memory": "24GiB"}'] and args.lora_rank == 16
         elif stage.startswith("longctx"):  # megatrain alone, with its long-context options
             assert words[1].startswith("MEGATRAIN_CONFIG=") and json.loads(words[1].split("=", 1)[1])
             assert args.model == "llama-7b" and args.seq_len >= 65536 and args.systems == "megatrain"

@@ -92,12 +92,14 @@ def test_dequantization_matches_the_plain_reference(shape, dtype):
 
 def test_quantization_is_the_same_in_chunks(monkeypatch):
     w = torch.randn(40, 448, generator=torch.Generator().manual_seed(4))
-    whole = {s: quantized(s, w)[1] for s in Q.SCHEMES}
+    whole = {s: quantized(s, w) for s in Q.SCHEMES}
+    values = {s: Q.dequantize(*whole[s]) for s in Q.SCHEMES}
     monkeypatch.setattr(Q, "CHUNK_ELEMENTS", 448 * 3)  # several chunks per tensor, the last partial
+    monkeypatch.setattr(Q, "DEQUANT_CHUNK_ELEMENTS", 448 * 5)
     for scheme in Q.SCHEMES:
         fmt, raw = quantized(scheme, w)
-        assert torch.equal(raw, whole[scheme]), scheme
-        assert torch.equal(Q.dequantize(fmt, raw), Q.dequantize(fmt, whole[scheme]))
+        assert torch.equal(raw, whole[scheme][1]), scheme
+        assert torch.equal(Q.dequantize(fmt, raw), values[scheme])
 
 
 def _bitsandbytes():
@@ -283,3 +285,105 @@ def test_plan_counts_the_quantized_base_as_the_store_lays_it_out():
     assert largest_preset(125 * GiB, lora_rank=16, base_quantization="nf4") == "mistral-large-123b"
     with pytest.raises(ValueError, match="full fine-tune.*--lora-rank"):
         plan_memory(PRESETS["tiny"], seq_len=16, micro_batch=1, base_quantization="nf4")
+
+
+# ----------------------------------------------------------------------------- seeded random init, drawn at attach
+def test_from_config_draws_the_same_weights_whatever_reads_them(monkeypatch):
+    """A model of a config whose weights are drawn into the store at attach: NF4 from the draw in
+    chunks equals NF4 of the same draw in full; unquantized weights are the draw itself."""
+    import megatrain_hf
+    from megatrain_hf.hf import random_init
+
+    config = tiny_model("llama").config
+    monkeypatch.setattr(random_init, "BLOCK_ELEMENTS", 1000)  # blocks not aligned with anything
+    plain = megatrain_hf.from_config(config, seed=3)
+    engine = attach(plain, MegaTrainConfig(device="cpu"))
+    weights = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    assert torch.equal(weights["model.norm.weight"], torch.ones(64))
+    assert 0.015 < weights["model.layers.0.mlp.up_proj.weight"].std().item() < 0.025
+    assert not torch.equal(weights["model.layers.0.mlp.up_proj.weight"], weights["model.layers.1.mlp.up_proj.weight"])
+    engine.detach()
+    monkeypatch.setattr(Q, "CHUNK_ELEMENTS", 448)  # quantizer chunks across the draw's blocks
+    model = lora(megatrain_hf.from_config(config, seed=3))
+    engine = attach(model, MegaTrainConfig(device="cpu", base_quantization="nf4"))
+    checked = 0
+    for u in range(len(engine.store.entries)):
+        for e in engine.store.entries_of(u, Kind.FROZEN):
+            if e.quant is None:
+                continue
+            region = engine.store.buffers[u].frozen_host[e.wire][e.offset : e.offset + e.numel]
+            name = f"model.layers.{u - 1}." + e.name.replace("base_layer.", "")  # unit u is layer u - 1
+            _, expected = quantized("nf4", weights[name])
+            assert torch.equal(region, expected), name
+            checked += 1
+    assert checked == 2 * len(TARGETS)
+
+
+# ----------------------------------------------------------------------------- checkpoints bitsandbytes quantized
+def _bnb_folder(tmp_path, scheme: str, F=None) -> str:
+    """A save_pretrained folder of the tiny Llama whose TARGETS linears are stored as bitsandbytes
+    stores them (``QuantState.as_dict(packed=True)`` / ``Int8Params``' CB and SCB): made by bitsandbytes
+    when ``F`` (its functional module) is given, else by our quantizer in bitsandbytes' format."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    for name in list(state):
+        module = name[: -len(".weight")]
+        if not name.endswith(".weight") or module.rsplit(".", 1)[-1] not in TARGETS:
+            continue
+        w = state.pop(name)
+        if scheme == "int8":
+            if F is not None:
+                cb, scb, _ = F.int8_vectorwise_quant(w.to(torch.float16))
+            else:
+                fmt, raw = quantized("int8", w)
+                cb, scb = (t.clone() for t in Q._pieces(fmt, raw))
+                cb = cb.view(w.shape)
+            state.update({name: cb, module + ".SCB": scb, module + ".weight_format": torch.tensor(0, dtype=torch.uint8)})
+            continue
+        if F is not None:
+            packed, qs = F.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=True)
+            codes, absmax, absmax2, offset = packed, qs.absmax, qs.state2.absmax, qs.offset.item()
+        else:
+            fmt, raw = quantized("nf4", w)
+            codes, absmax, absmax2, off = (t.clone() for t in Q._pieces(fmt, raw))
+            codes, offset = codes.view(-1, 1), off.item()
+        meta = {"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": list(w.shape),
+                "nested_blocksize": 256, "nested_dtype": "float32", "nested_offset": offset}
+        state.update({name: codes, name + ".absmax": absmax, name + ".quant_map": Q.table("nf4").clone(),
+                      name + ".nested_absmax": absmax2, name + ".nested_quant_map": Q.dynamic_map(),
+                      name + ".quant_state.bitsandbytes__nf4": torch.tensor(list(json.dumps(meta).encode()),
+                                                                            dtype=torch.uint8)})
+    folder = tmp_path / f"bnb-{scheme}"
+    model.config.save_pretrained(folder)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return str(folder)
+
+
+@pytest.mark.parametrize("scheme", Q.SCHEMES)
+def test_a_checkpoint_bitsandbytes_quantized_is_read_as_stored(tmp_path, scheme):
+    """The stored codes become the store's bytes (no requantization): the same bytes as quantizing the
+    unquantized weights (which our quantizer and bitsandbytes' agree on), and training runs on them."""
+    import megatrain_hf
+
+    F = _bitsandbytes()
+    for maker in (None, F) if F is not None else (None,):
+        folder = _bnb_folder(tmp_path / ("bnb" if maker else "ours"), scheme, maker)
+        model = lora(megatrain_hf.from_pretrained(folder))
+        engine = attach(model, MegaTrainConfig(base_quantization=scheme, device="cpu"))
+        reference = attach(lora(tiny_model("llama")), MegaTrainConfig(base_quantization=scheme, device="cpu"))
+        for u in range(1, 3):
+            for e, r in zip(engine.store.entries_of(u, Kind.FROZEN), reference.store.entries_of(u, Kind.FROZEN)):
+                if e.quant is None:
+                    continue
+                mine = engine.store.buffers[u].frozen_host[e.wire][e.offset : e.offset + e.numel]
+                theirs = reference.store.buffers[u].frozen_host[r.wire][r.offset : r.offset + r.numel]
+                values = Q.dequantize(e.quant, mine), Q.dequantize(r.quant, theirs)
+                if maker is None or scheme == "int8":
+                    assert torch.equal(mine, theirs), e.name
+                assert torch.equal(*values) if maker is None else (values[0] - values[1]).abs().max() < 1e-2
+    with pytest.raises(ValueError, match=rf"quantized by bitsandbytes as \['{scheme}'\] but base_quantization='none'"):
+        attach(lora(megatrain_hf.from_pretrained(folder)), MegaTrainConfig(device="cpu"))

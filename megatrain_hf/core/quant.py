@@ -32,9 +32,13 @@ SCHEMES = ("int8", "nf4")
 BLOCK = 64  # NF4 elements per absmax (bitsandbytes' default blocksize)
 BLOCK2 = 256  # absmaxes per second-level absmax (bitsandbytes' nested blocksize)
 PIECE_ALIGN = 16  # bytes: every piece of a quantized tensor starts on this boundary
-CHUNK_ELEMENTS = 1 << 22
-"""Elements of the input quantized (and of the output dequantized) at a time: bounds the fp32
-temporaries of both directions (16 MiB of fp32 values, plus their int32 codes)."""
+CHUNK_ELEMENTS = 1 << 20
+"""Elements of the input quantized at a time, on the host: bounds the fp32 temporaries of loading
+(4 MiB of fp32 values each, about six of them)."""
+DEQUANT_CHUNK_ELEMENTS = 1 << 24
+"""Elements dequantized at a time, on the device: bounds its temporaries (int32 codes, their fp32
+values and products: ``DEQUANT_TEMP_BYTES`` per element) to 192 MiB while keeping the kernels few."""
+DEQUANT_TEMP_BYTES = 12
 INT8_SCALE = 7.874015718698502e-3  # bitsandbytes' 1/127 in int8_vectorwise_dequant
 
 NF4_CODE = (
@@ -169,34 +173,69 @@ def _nearest(scaled: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return torch.bucketize(scaled, (code[:-1] + code[1:]) / 2, out_int32=True).to(torch.uint8)
 
 
-def quantize_into(fmt: QuantFormat, read: Callable[[int, int, torch.Tensor], None], raw: torch.Tensor) -> None:
+class QuantWork:
+    """The buffers one quantization chunk computes in, reused from tensor to tensor (fresh
+    temporaries per chunk would let the C heap grow past them: glibc's dynamic mmap threshold
+    keeps freed blocks of this size in the heap, fragmented between the store's flats)."""
+
+    def __init__(self, elements: int | None = None) -> None:
+        n = elements or CHUNK_ELEMENTS
+        self.x = torch.empty(n, dtype=torch.float32)  # the chunk read
+        self.a = torch.empty(n, dtype=torch.float32)
+        self.b = torch.empty(n, dtype=torch.float32)
+        self.half = torch.empty(n, dtype=torch.float16)
+        self.idx = torch.empty(n, dtype=torch.int32)
+        self.q = torch.empty(n, dtype=torch.uint8)
+
+    @staticmethod
+    def nbytes(elements: int | None = None) -> int:
+        """Host bytes of the buffers (19 MiB for the default chunk)."""
+        return (elements or CHUNK_ELEMENTS) * (3 * 4 + 2 + 4 + 1)
+
+
+def quantize_into(fmt: QuantFormat, read: Callable[[int, int, torch.Tensor], None], raw: torch.Tensor,
+                  work: QuantWork | None = None) -> None:
     """Quantize a tensor into ``raw`` (its uint8 byte range), reading it chunk by chunk:
     ``read(first, n, dest)`` fills the fp32 ``dest`` with elements ``[first, first + n)`` of the
-    tensor in row-major order."""
+    tensor in row-major order. ``work``: the chunk buffers (reuse one across tensors)."""
     rows, cols = fmt.shape
-    per = max(1, CHUNK_ELEMENTS // cols) * cols if fmt.scheme == "int8" else max(BLOCK, CHUNK_ELEMENTS // BLOCK * BLOCK)
-    buf = torch.empty(min(per, fmt.numel), dtype=torch.float32)
+    work = work if work is not None and work.x.numel() >= CHUNK_ELEMENTS else QuantWork()
+    size = work.x.numel()
+    per = max(1, size // cols) * cols if fmt.scheme == "int8" else size // BLOCK * BLOCK
+    if per > size:  # an int8 row longer than a chunk: a workspace of one row
+        work, per = QuantWork(cols), cols
     pieces = _pieces(fmt, raw)
     absmax_all = torch.empty(fmt.blocks if fmt.scheme == "nf4" else 0, dtype=torch.float32)
     nf4 = table("nf4")
+    bounds = (nf4[:-1] + nf4[1:]) / 2
     for first in range(0, fmt.numel, per):
         n = min(per, fmt.numel - first)
-        x = buf[:n]
+        x, a, b, idx, q = work.x[:n], work.a[:n], work.b[:n], work.idx[:n], work.q[:n]
         read(first, n, x)
-        if fmt.scheme == "int8":
+        if fmt.scheme == "int8":  # bnb: round(A * (127 / absmax_row)), A the fp16 weight (Int8Params)
             cb, scb = pieces
             r0, r1 = first // cols, (first + n) // cols
-            block = x.view(r1 - r0, cols).to(torch.float16).float()  # Int8Params quantizes the fp16 weight
-            stats = block.abs().max(dim=1).values
+            half = work.half[:n]
+            half.copy_(x)
+            a.copy_(half)
+            torch.abs(a, out=b)
+            stats = b.view(r1 - r0, cols).amax(dim=1)
             scb[r0:r1] = stats
-            q = torch.round(block * (127.0 / stats.unsqueeze(-1))).nan_to_num_(0.0)  # an all-zero row: zeros
-            cb[first : first + n] = q.to(torch.int8).view(-1)
+            torch.mul(a.view(r1 - r0, cols), (127.0 / stats).unsqueeze(-1), out=b.view(r1 - r0, cols))
+            torch.round(b, out=b)
+            b.nan_to_num_(0.0)  # an all-zero row: zeros
+            cb[first : first + n].copy_(b)
             continue
-        packed = pieces[0]
-        absmax, scaled = _blockwise(x, BLOCK)
+        torch.abs(x, out=a)  # bnb: clamp(A * (1 / absmax_block), -1, 1), then the nearest NF4 value
+        absmax = a.view(-1, BLOCK).amax(dim=1)
         absmax_all[first // BLOCK : (first + n) // BLOCK] = absmax
-        q = _nearest(scaled, nf4)
-        packed[first // 2 : (first + n) // 2] = (q[::2] << 4) | q[1::2]
+        torch.mul(x.view(-1, BLOCK), (1.0 / absmax.clamp(min=1e-38)).view(-1, 1), out=a.view(-1, BLOCK))
+        a.clamp_(-1, 1)
+        torch.bucketize(a, bounds, out_int32=True, out=idx)
+        q.copy_(idx)
+        packed = pieces[0][first // 2 : (first + n) // 2]
+        torch.bitwise_left_shift(q[::2], 4, out=packed)
+        packed.bitwise_or_(q[1::2])
     if fmt.scheme == "nf4":  # double quantization of the absmaxes (bitsandbytes' compress_statistics)
         _, qabsmax, absmax2, offset = pieces
         mean = absmax_all.mean()
@@ -206,10 +245,10 @@ def quantize_into(fmt: QuantFormat, read: Callable[[int, int, torch.Tensor], Non
         offset.copy_(mean.view(1))
 
 
-def quantize_tensor(fmt: QuantFormat, tensor: torch.Tensor, raw: torch.Tensor) -> None:
+def quantize_tensor(fmt: QuantFormat, tensor: torch.Tensor, raw: torch.Tensor, work: QuantWork | None = None) -> None:
     """:func:`quantize_into` from a tensor in memory (any float dtype, any device's copy is read to the CPU)."""
     flat = tensor.detach().reshape(-1)
-    quantize_into(fmt, lambda first, n, dest: dest.copy_(flat[first : first + n]), raw)
+    quantize_into(fmt, lambda first, n, dest: dest.copy_(flat[first : first + n]), raw, work)
 
 
 # ---------------------------------------------------------------------------------- dequantize
@@ -221,7 +260,7 @@ def dequantize_into(fmt: QuantFormat, raw: torch.Tensor, out: torch.Tensor) -> t
     rows, cols = fmt.shape
     if fmt.scheme == "int8":
         cb, scb = _pieces(fmt, raw)
-        step = max(1, CHUNK_ELEMENTS // cols)
+        step = max(1, DEQUANT_CHUNK_ELEMENTS // cols)
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             block = cb[r0 * cols : r1 * cols].view(r1 - r0, cols)
@@ -233,7 +272,7 @@ def dequantize_into(fmt: QuantFormat, raw: torch.Tensor, out: torch.Tensor) -> t
     absmax = absmax * expanded  # two separate fp32 operations, as bitsandbytes (never a fused FMA)
     absmax += offset
     nf4 = table("nf4", raw.device)
-    per = max(BLOCK, CHUNK_ELEMENTS // BLOCK * BLOCK)
+    per = max(BLOCK, DEQUANT_CHUNK_ELEMENTS // BLOCK * BLOCK)
     for first in range(0, fmt.numel, per):
         n = min(per, fmt.numel - first)
         byte = packed[first // 2 : (first + n) // 2]

@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from .layout import Entry, Kind, TensorSpec, UnitSizes, lay_out, wire_dtype
-from .quant import quant_format, quantize_into, quantize_tensor
+from .quant import QuantWork, quant_format, quantize_into, quantize_tensor
 from .readiness import UnitGates
 from .sharding import ReceiveSlots
 
@@ -95,7 +95,8 @@ class HostStore:
     flat (called with the slice, 1-D, in the flat's dtype) or None to copy the tensor into it;
     ``quantize(tensor)`` the scheme a frozen tensor is stored in (None: as is), and ``ranges(tensor)``
     what reads its elements ``[first, first + n)`` into an fp32 buffer (a checkpoint read) or None
-    (read the tensor). The store does not know what a model is.
+    (read the tensor); ``stored_quantized(tensor)`` what copies a tensor stored quantized already
+    (``fill(format, byte_range)``), or None. The store does not know what a model is.
     """
 
     def __init__(
@@ -109,6 +110,7 @@ class HostStore:
         sources: Callable[[torch.Tensor], Callable[[torch.Tensor], None] | None] | None = None,
         quantize: Callable[[torch.Tensor], str | None] | None = None,
         ranges: Callable[[torch.Tensor], Callable[[int, int, torch.Tensor], None] | None] | None = None,
+        stored_quantized: Callable[[torch.Tensor], Callable | None] | None = None,
         sharding=None,
         slots: tuple[int, int] = (1, 1),
     ) -> None:
@@ -129,7 +131,7 @@ class HostStore:
         self._sizes = self._plan(units, embedding_units)
         self.remote = self._remote_units()
         self._slots = ReceiveSlots(self, *slots) if self.remote else None
-        self._allocate(sources, ranges)
+        self._allocate(sources, ranges, stored_quantized)
         self.gates = UnitGates(self.names)
 
     # ------------------------------------------------------------------ layout
@@ -213,7 +215,8 @@ class HostStore:
         return frozenset(u for u in range(len(self.entries))
                          if self._sizes[u].n_train and u not in tied and not self.sharding.owns(u))
 
-    def _allocate(self, sources, ranges) -> None:
+    def _allocate(self, sources, ranges, stored_quantized=None) -> None:
+        work = None  # the quantization's chunk buffers, one set for every tensor
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
             sizes = self._sizes[u]
@@ -237,11 +240,15 @@ class HostStore:
                 region = flat[e.offset : e.offset + e.numel]
                 if e.quant is not None:
                     read = ranges(e.tensor) if ranges is not None else None
+                    copy = stored_quantized(e.tensor) if stored_quantized is not None else None
+                    work = work or QuantWork()
                     with torch.no_grad():
-                        if read is None:
-                            quantize_tensor(e.quant, e.tensor, region)
+                        if copy is not None:  # already quantized in the checkpoint: its bytes as stored
+                            copy(e.quant, region)
+                        elif read is None:
+                            quantize_tensor(e.quant, e.tensor, region, work)
                         else:
-                            quantize_into(e.quant, read, region)
+                            quantize_into(e.quant, read, region, work)
                     e.tensor.data = torch.full((), float("nan"), dtype=e.tensor.dtype).expand(e.shape)
                     continue
                 fill = sources(e.tensor) if sources is not None else None

@@ -34,8 +34,17 @@ def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if isinstance(getattr(m, "base_layer", None), nn.Linear) and hasattr(m, "lora_A")]
 
 
-def quantized_weights(model: nn.Module, scheme: str) -> dict[int, str]:
-    """``id(weight) -> scheme`` of the base weights ``scheme`` quantizes (empty for ``"none"``)."""
+def quantized_weights(model: nn.Module, scheme: str, stored: dict[int, str] | None = None) -> dict[int, str]:
+    """``id(weight) -> scheme`` of the base weights ``scheme`` quantizes (empty for ``"none"``);
+    ``stored``: the weights a checkpoint holds quantized by bitsandbytes (``id -> its scheme``), which
+    must be such base weights, quantized with ``scheme``."""
+    schemes = set((stored or {}).values())
+    if schemes and schemes != {scheme}:
+        raise ValueError(
+            f"megatrain: the checkpoint holds weights quantized by bitsandbytes as {sorted(schemes)} but "
+            f"base_quantization={scheme!r}. Fix: MegaTrainConfig(base_quantization={sorted(schemes)[0]!r}) "
+            "(the stored weights are read as they are), or load the unquantized checkpoint."
+        )
     if scheme == "none":
         return {}
     if scheme not in SCHEMES:
@@ -72,6 +81,12 @@ def quantized_weights(model: nn.Module, scheme: str) -> dict[int, str]:
                 "Fix: leave that module out of LoraConfig(target_modules=...) or untie the weights."
             )
         chosen[id(weight)] = scheme
+    outside = [n for n, p in model.named_parameters() if id(p) in (stored or {}) and id(p) not in chosen]
+    if outside:
+        raise ValueError(
+            f"megatrain: {outside[:3]} are stored quantized by bitsandbytes but are not the base weight of a PEFT "
+            f"LoRA layer. Fix: add their modules to LoraConfig(target_modules=...)."
+        )
     return chosen
 
 

@@ -16,7 +16,7 @@ import torch
 from ..core.grads import MAX_PENDING_SENDS
 from ..core.layout import MOMENT_FORMATS, aligned
 from ..core.layout import loss_chunk_tokens as loss_chunk
-from ..core.quant import CHUNK_ELEMENTS
+from ..core.quant import DEQUANT_CHUNK_ELEMENTS, DEQUANT_TEMP_BYTES
 from . import activations
 from .host import DEFAULT_HEADROOM_BYTES, TIER_LABELS, GiB, _check_int, check_host_memory, gib
 from .model_layout import LORA_TARGETS, _host_tiers, _layout, _UnitLayout, _wire_bytes  # noqa: F401 (re-exported)
@@ -343,7 +343,7 @@ def plan_memory(
         gpu_runtime=GPU_RUNTIME_ALLOWANCE_BYTES,
         base_quantization=base_quantization,
         gpu_dequant=max(sum(t.numel for t in u.tensors if t.quant) for u in distinct) * cbytes
-        + (8 * CHUNK_ELEMENTS if base_quantization != "none" else 0),
+        + (DEQUANT_TEMP_BYTES * DEQUANT_CHUNK_ELEMENTS if base_quantization != "none" else 0),
         optimizer_state=optimizer_state,
     )
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,
