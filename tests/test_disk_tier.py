@@ -329,3 +329,36 @@ def test_estimate_prints_the_disk_tier(tmp_path, capsys):
     assert 0 < layers < 32
     assert estimate_main(["--model", "llama-7b", "--offload-dir", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_engine_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_path, monkeypatch):
+    """A filesystem that refuses O_DIRECT (older tmpfs kernels; simulated: open() with the flag fails
+    with EINVAL) gets buffered I/O, with the same results; one that takes it gets O_DIRECT."""
+    from megatrain_hf.core import disk_io
+    from megatrain_hf.optim.paged_state import PagedState
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args)
+
+    for refuse in (False, True):
+        if refuse:
+            monkeypatch.setattr(disk_io.os, "open", refusing_open)
+        specs = {0: {"a": (5000, torch.float32)}, 1: {"a": (3, torch.float32)}, 2: {"a": (7, torch.float32)}}
+        pager = PagedState(str(tmp_path), specs, window=2)
+        try:
+            assert set(pager.io.direct.values()) == {not refuse}
+            for u in (0, 1, 2):  # unit 2 takes unit 0's slot (2 slots)
+                with pager.resident(u, write=True) as flats:
+                    assert torch.count_nonzero(flats["a"]) == 0  # a fresh file reads as zeros
+                    flats["a"].fill_(u + 1.5)
+            read = pager.bytes_read
+            with pager.resident(0, write=False) as flats:  # read back from its file
+                assert torch.equal(flats["a"], torch.full((5000,), 1.5))
+            assert pager.bytes_read == read + 20480
+        finally:
+            pager.close()
+        assert not os.path.exists(pager.run_dir)

@@ -4,8 +4,8 @@ Dependency-free: ``os.preadv`` / ``os.pwritev`` release the GIL, so a few thread
 requests in flight while the update computes. A request is cut into pieces of ``request_bytes``
 (default 4 MiB), one task each. Files are opened with ``O_DIRECT`` (no page cache: the bytes
 paged out do not come back as cached RAM) where the filesystem allows it -- checked with one
-aligned read at open, since some filesystems accept the flag and then refuse the I/O, and tmpfs
-refuses the flag itself -- else without it (logged once per directory). ``O_DIRECT`` needs
+aligned read at open, since some filesystems accept the flag and then refuse the I/O, and tmpfs on older kernels
+refuses the flag itself -- else without it (logged). ``O_DIRECT`` needs
 buffers, offsets and lengths aligned to :data:`ALIGN`: :func:`aligned_empty` gives such buffers,
 and callers lay their files out on :data:`ALIGN` boundaries.
 
