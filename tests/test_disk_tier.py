@@ -276,6 +276,9 @@ def test_sigkill_during_write_back_then_resume_equals_the_uninterrupted_run(tmp_
                       callbacks=[MegaTrainPlugin(config)], resume=str(out / "checkpoint-4"))
     assert losses == ref_losses[8:]
     _assert_equal(state_of(ref), state_of(resumed))
+    # the killed run's directory was removed by the next run's start (its process is gone): only this
+    # process's (the resumed run's, removed when its optimizer goes) is left
+    assert [name.split("-")[2] for name in os.listdir(disk)] == [str(os.getpid())]
 
 
 def test_the_run_directory_is_removed_on_ctrl_c(tmp_path):
@@ -371,3 +374,19 @@ def test_the_engine_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_path
         finally:
             pager.close()
         assert not os.path.exists(pager.run_dir)
+
+
+def test_stale_run_directories_are_removed_only_when_their_process_is_gone(tmp_path):
+    from megatrain_hf.core.disk_io import remove_stale_run_dirs
+
+    child = subprocess.Popen(["sleep", "0"])
+    child.wait()  # a pid that no longer runs
+    dead = tmp_path / f"{RUN_DIR_PREFIX}{child.pid}-abc"
+    alive = tmp_path / f"{RUN_DIR_PREFIX}{os.getpid()}-def"
+    foreign = tmp_path / f"{RUN_DIR_PREFIX}{child.pid}-ghi"  # holds a file the tier never writes
+    for d in (dead, alive, foreign):
+        d.mkdir()
+        (d / "unit-00000.state").write_bytes(b"x")
+    (foreign / "notes.txt").write_text("mine")
+    assert remove_stale_run_dirs(str(tmp_path)) == [str(dead)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, foreign.name])
