@@ -203,33 +203,35 @@ def _located(model):
     return located.names, located.modules
 
 
-def test_a_write_failing_mid_run_raises_in_the_training_thread(tmp_path, monkeypatch):
-    """A full disk mid-run (ENOSPC from pwritev in a pool thread) stops training promptly, naming the file
-    and the bytes; the pool thread does not swallow it and nothing hangs."""
+@pytest.mark.parametrize("call,code,what", [("pwritev", errno.ENOSPC, "writing"), ("preadv", errno.EIO, "reading")])
+def test_an_io_error_mid_run_raises_in_the_training_thread(tmp_path, monkeypatch, call, code, what):
+    """A full disk or an I/O error mid-run (from pwritev / preadv in a pool thread) stops training promptly,
+    naming the file and the bytes; the pool thread does not swallow it and nothing hangs."""
     from transformers import TrainerCallback
 
     from megatrain_hf.core import disk_io
 
-    real = os.pwritev
+    real = getattr(os, call)
     full = {"on": False}
 
-    def pwritev(fd, buffers, offset):
+    def failing(fd, buffers, offset):
         if full["on"]:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise OSError(code, os.strerror(code))
         return real(fd, buffers, offset)
 
     class FillTheDisk(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             full["on"] = state.global_step >= 2
 
-    monkeypatch.setattr(disk_io.os, "pwritev", pwritev)
+    monkeypatch.setattr(disk_io.os, call, failing)
     (tmp_path / "d").mkdir()
     config = MegaTrainConfig(offload_dir=str(tmp_path / "d"), offload_state="moments")
     with pytest.raises((OSError, RuntimeError)) as info:
         train(tiny_model("llama"), training_args(tmp_path / "run"), callbacks=[MegaTrainPlugin(config), FillTheDisk()])
     text = str(info.value) + str(info.value.__cause__)
-    assert re.search(r"writing \d+ bytes at offset \d+ of .*/megatrain-state-[^/]+/unit-\d{5}\.state failed: No space "
-                     r"left on device \(the disk is full", text), text
+    reason = r"No space left on device \(the disk is full" if code == errno.ENOSPC else "Input/output error"
+    assert re.search(rf"{what} \d+ bytes at offset \d+ of .*/megatrain-state-[^/]+/unit-\d{{5}}\.state failed: "
+                     + reason, text), text
 
 
 _KILLED_CHILD = """
