@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import torch
 
-from helpers import RandomTokens, state_of, tiny_model, train, training_args
+from helpers import LogRecorder, RandomTokens, state_of, tiny_model, train, training_args
 from megatrain_hf import HostAdamW, MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.core.disk_io import RUN_DIR_PREFIX
 
@@ -203,33 +203,35 @@ def _located(model):
     return located.names, located.modules
 
 
-def test_a_write_failing_mid_run_raises_in_the_training_thread(tmp_path, monkeypatch):
-    """A full disk mid-run (ENOSPC from pwritev in a pool thread) stops training promptly, naming the file
-    and the bytes; the pool thread does not swallow it and nothing hangs."""
+@pytest.mark.parametrize("call,code,what", [("pwritev", errno.ENOSPC, "writing"), ("preadv", errno.EIO, "reading")])
+def test_an_io_error_mid_run_raises_in_the_training_thread(tmp_path, monkeypatch, call, code, what):
+    """A full disk or an I/O error mid-run (from pwritev / preadv in a pool thread) stops training promptly,
+    naming the file and the bytes; the pool thread does not swallow it and nothing hangs."""
     from transformers import TrainerCallback
 
     from megatrain_hf.core import disk_io
 
-    real = os.pwritev
+    real = getattr(os, call)
     full = {"on": False}
 
-    def pwritev(fd, buffers, offset):
+    def failing(fd, buffers, offset):
         if full["on"]:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            raise OSError(code, os.strerror(code))
         return real(fd, buffers, offset)
 
     class FillTheDisk(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             full["on"] = state.global_step >= 2
 
-    monkeypatch.setattr(disk_io.os, "pwritev", pwritev)
+    monkeypatch.setattr(disk_io.os, call, failing)
     (tmp_path / "d").mkdir()
     config = MegaTrainConfig(offload_dir=str(tmp_path / "d"), offload_state="moments")
     with pytest.raises((OSError, RuntimeError)) as info:
         train(tiny_model("llama"), training_args(tmp_path / "run"), callbacks=[MegaTrainPlugin(config), FillTheDisk()])
     text = str(info.value) + str(info.value.__cause__)
-    assert re.search(r"writing \d+ bytes at offset \d+ of .*/megatrain-state-[^/]+/unit-\d{5}\.state failed: No space "
-                     r"left on device \(the disk is full", text), text
+    reason = r"No space left on device \(the disk is full" if code == errno.ENOSPC else "Input/output error"
+    assert re.search(rf"{what} \d+ bytes at offset \d+ of .*/megatrain-state-[^/]+/unit-\d{{5}}\.state failed: "
+                     + reason, text), text
 
 
 _KILLED_CHILD = """
@@ -276,6 +278,9 @@ def test_sigkill_during_write_back_then_resume_equals_the_uninterrupted_run(tmp_
                       callbacks=[MegaTrainPlugin(config)], resume=str(out / "checkpoint-4"))
     assert losses == ref_losses[8:]
     _assert_equal(state_of(ref), state_of(resumed))
+    # the killed run's directory was removed by the next run's start (its process is gone): only this
+    # process's (the resumed run's, removed when its optimizer goes) is left
+    assert [name.split("-")[2] for name in os.listdir(disk)] == [str(os.getpid())]
 
 
 def test_the_run_directory_is_removed_on_ctrl_c(tmp_path):
@@ -297,10 +302,19 @@ def test_init_offload_dir_trains_with_the_moments_on_disk(tmp_path):
     config = mt.init(offload_dir=str(tmp_path / "d"), offload_state="moments")
     try:
         assert config.offload_dir == str(tmp_path / "d")
+        logs = LogRecorder()
         trainer = mt.Trainer(model=tiny_model("llama"), args=training_args(tmp_path / "run", max_steps=2),
-                             train_dataset=RandomTokens())
+                             train_dataset=RandomTokens(), callbacks=[logs])
         trainer.train()
-        assert trainer.optimizer.optimizer._pager is not None
+        tier = trainer.optimizer.optimizer.disk_tier
+        assert tier is not None
+        steps = [log for log in logs.logs if "loss" in log]
+        # the logs count the bytes moved so far (the update runs behind them); with what is left: all of it.
+        # Each step writes every unit back once; it reads those not still in a slot
+        logged = sum(round(log["megatrain/disk_GB"] * 1e9) for log in steps)
+        assert logged + sum(tier.take_io_stats()) == tier.bytes_read + tier.bytes_written
+        assert tier.bytes_written == 2 * tier.disk_bytes() and 0 < tier.bytes_read <= tier.bytes_written
+        assert len(steps) == 2 and all("megatrain/disk_GBps" in log for log in steps)
     finally:
         mt.disable()
 
@@ -329,3 +343,52 @@ def test_estimate_prints_the_disk_tier(tmp_path, capsys):
     assert 0 < layers < 32
     assert estimate_main(["--model", "llama-7b", "--offload-dir", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_engine_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_path, monkeypatch):
+    """A filesystem that refuses O_DIRECT (older tmpfs kernels; simulated: open() with the flag fails
+    with EINVAL) gets buffered I/O, with the same results; one that takes it gets O_DIRECT."""
+    from megatrain_hf.core import disk_io
+    from megatrain_hf.optim.paged_state import PagedState
+
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args)
+
+    for refuse in (False, True):
+        if refuse:
+            monkeypatch.setattr(disk_io.os, "open", refusing_open)
+        specs = {0: {"a": (5000, torch.float32)}, 1: {"a": (3, torch.float32)}, 2: {"a": (7, torch.float32)}}
+        pager = PagedState(str(tmp_path), specs, window=2)
+        try:
+            assert set(pager.io.direct.values()) == {not refuse}
+            for u in (0, 1, 2):  # unit 2 takes unit 0's slot (2 slots)
+                with pager.resident(u, write=True) as flats:
+                    assert torch.count_nonzero(flats["a"]) == 0  # a fresh file reads as zeros
+                    flats["a"].fill_(u + 1.5)
+            read = pager.bytes_read
+            with pager.resident(0, write=False) as flats:  # read back from its file
+                assert torch.equal(flats["a"], torch.full((5000,), 1.5))
+            assert pager.bytes_read == read + 20480
+        finally:
+            pager.close()
+        assert not os.path.exists(pager.run_dir)
+
+
+def test_stale_run_directories_are_removed_only_when_their_process_is_gone(tmp_path):
+    from megatrain_hf.core.disk_io import remove_stale_run_dirs
+
+    child = subprocess.Popen(["sleep", "0"])
+    child.wait()  # a pid that no longer runs
+    dead = tmp_path / f"{RUN_DIR_PREFIX}{child.pid}-abc"
+    alive = tmp_path / f"{RUN_DIR_PREFIX}{os.getpid()}-def"
+    foreign = tmp_path / f"{RUN_DIR_PREFIX}{child.pid}-ghi"  # holds a file the tier never writes
+    for d in (dead, alive, foreign):
+        d.mkdir()
+        (d / "unit-00000.state").write_bytes(b"x")
+    (foreign / "notes.txt").write_text("mine")
+    assert remove_stale_run_dirs(str(tmp_path)) == [str(dead)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, foreign.name])

@@ -4,8 +4,8 @@ Dependency-free: ``os.preadv`` / ``os.pwritev`` release the GIL, so a few thread
 requests in flight while the update computes. A request is cut into pieces of ``request_bytes``
 (default 4 MiB), one task each. Files are opened with ``O_DIRECT`` (no page cache: the bytes
 paged out do not come back as cached RAM) where the filesystem allows it -- checked with one
-aligned read at open, since some filesystems accept the flag and then refuse the I/O, and tmpfs
-refuses the flag itself -- else without it (logged once per directory). ``O_DIRECT`` needs
+aligned read at open, since some filesystems accept the flag and then refuse the I/O, and tmpfs on older kernels
+refuses the flag itself -- else without it (logged). ``O_DIRECT`` needs
 buffers, offsets and lengths aligned to :data:`ALIGN`: :func:`aligned_empty` gives such buffers,
 and callers lay their files out on :data:`ALIGN` boundaries.
 
@@ -219,7 +219,39 @@ def create_run_dir(offload_dir) -> str:
     """A new directory of this run inside ``offload_dir``: mode 0700, a unique name, never one that existed."""
     import tempfile
 
-    return tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=check_offload_dir(offload_dir))
+    path = check_offload_dir(offload_dir)
+    remove_stale_run_dirs(path)
+    return tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=path)
+
+
+def remove_stale_run_dirs(offload_dir: str) -> list[str]:
+    """Remove the run directories that processes no longer alive left (SIGKILL, power loss): those named
+    ``megatrain-state-<pid>-*`` whose pid is gone and that hold only the tier's ``unit-*.state`` files."""
+    removed = []
+    for name in os.listdir(offload_dir):
+        parts = name[len(RUN_DIR_PREFIX):].split("-", 1)
+        if not name.startswith(RUN_DIR_PREFIX) or not parts[0].isdigit() or _alive(int(parts[0])):
+            continue
+        run_dir = os.path.join(offload_dir, name)
+        try:
+            files = os.listdir(run_dir)
+        except OSError:
+            continue
+        if all(f.startswith("unit-") and f.endswith(".state") for f in files):
+            remove_run_dir(run_dir, files)
+            logger.info("megatrain disk tier: removed %s, left by process %s that no longer runs", run_dir, parts[0])
+            removed.append(run_dir)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def remove_run_dir(run_dir: str, names: list[str]) -> None:

@@ -58,9 +58,7 @@ class HostAdamW(torch.optim.Optimizer):
         kernel: str = "torch",
         device: torch.device | None = None,
         state: str = "fp32",
-        offload_dir: str | None = None,
-        offload_window: int | None = None,
-        offload_units=None,
+        offload_dir: str | None = None, offload_window: int | None = None, offload_units=None,
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -358,6 +356,8 @@ class HostAdamW(torch.optim.Optimizer):
         # with the disk tier the moments' views are in a slot while the update runs
         with self._pager.paged_in(job) if self._paged(job.unit) else contextlib.nullcontext():
             self._update_resident(job)
+
+    disk_tier = property(lambda self: self._pager, doc="The PagedState of the moments on disk (None: all in RAM).")
 
     def _paged(self, u: int) -> bool:
         return self._pager is not None and u in self._pager.units

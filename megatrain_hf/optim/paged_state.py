@@ -82,6 +82,7 @@ class PagedState:
         self._lock = threading.Lock()
         self._error: BaseException | None = None
         self.bytes_read = self.bytes_written = 0
+        self._taken = (0, 0)
         logger.info("megatrain: optimizer state on disk in %s (%.2f GiB; %d RAM slots, %.2f GiB)", self.run_dir,
                     self.disk_bytes() / 2**30, window, self.ram_bytes() / 2**30)
 
@@ -89,6 +90,13 @@ class PagedState:
     def units(self):
         """The units paged here (a view of the files' keys: cheap membership tests)."""
         return self._files.keys()
+
+    def take_io_stats(self) -> tuple[int, int]:
+        """Bytes read and written since the last call."""
+        with self._lock:
+            out = self.bytes_read - self._taken[0], self.bytes_written - self._taken[1]
+            self._taken = (self.bytes_read, self.bytes_written)
+        return out
 
     def disk_bytes(self) -> int:
         return sum(f.nbytes for f in self._files.values())
