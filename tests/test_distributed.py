@@ -91,8 +91,9 @@ FULL = dict(steps=4, eval=True)
 
 
 def test_three_ranks_match_plain_trainer_and_resume_on_two_and_three(tmp_path):
-    """3 ranks (eval, checkpoints every 2 steps, resumed from step 2 in the same processes) and a
-    2-rank run resumed from the 3-rank checkpoint (resharded by unit): all equal to plain Trainer."""
+    """3 ranks under torchrun (eval, checkpoints every 2 steps, resumed from step 2 in the same
+    processes) and 2 ranks under ``accelerate launch`` resumed from the 3-rank checkpoint (resharded
+    by unit): all equal to plain Trainer."""
     ref = _reference(tmp_path, "ref", batch=6, **FULL)
     out, run = tmp_path / "dp3.json", tmp_path / "dp3"
     _ok(_torchrun(dict(batch=2, megatrain=True, save_steps=2, then_resume="checkpoint-2", **FULL), out, run, 3))
@@ -107,9 +108,14 @@ def test_three_ranks_match_plain_trainer_and_resume_on_two_and_three(tmp_path):
         torch.testing.assert_close(p.detach(), final[name], atol=0, rtol=0)
     units = sorted(os.listdir(run / "checkpoint-2" / "megatrain_optimizer"))
     assert len(units) == 5, units  # embedding, 2 layers, norm, head: written by their three owners
+    # another world size (resharded by unit), launched by accelerate with the shipped config
     out2 = tmp_path / "dp2.json"
-    _ok(_torchrun(dict(batch=3, megatrain=True, resume=str(run / "checkpoint-2"), **FULL), out2, tmp_path / "dp2", 2))
-    _assert_same(ref, str(out2), partial=True)  # another world size: resharded by unit
+    config = os.path.join(os.path.dirname(HERE), "configs", "accelerate_multi_cpu.yaml")
+    case = json.dumps(dict(batch=3, megatrain=True, resume=str(run / "checkpoint-2"), **FULL))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--main_process_port",
+           str(_port()), SCRIPT, "--case", case, "--out", str(out2), "--output_dir", str(tmp_path / "dp2")]
+    _ok(subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120))
+    _assert_same(ref, str(out2), partial=True)
 
 
 def test_two_nodes_over_loopback_lora_tied_plain_order(tmp_path):
