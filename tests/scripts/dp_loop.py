@@ -19,7 +19,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # this checkout, tests/
 
-from helpers import RandomTokens, tiny_model  # noqa: E402
+from helpers import RandomTokens, tiny_model
 
 
 def main() -> None:
@@ -27,7 +27,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--megatrain", action="store_true")
     cli = parser.parse_args()
-    world, rank = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("RANK", 0))
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     if world > 1:
         dist.init_process_group("gloo")
     torch.set_num_threads(1)

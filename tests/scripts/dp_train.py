@@ -19,8 +19,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # this checkout, tests/
 
-from helpers import LogRecorder, RandomTokens, tiny_model, training_args  # noqa: E402
-from transformers import Trainer, TrainerCallback  # noqa: E402
+from helpers import LogRecorder, RandomTokens, tiny_model, training_args
+from transformers import Trainer, TrainerCallback
 
 
 class FailAt(TrainerCallback):
