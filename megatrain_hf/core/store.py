@@ -166,8 +166,7 @@ class HostStore:
         return flat
 
     def _remote_units(self) -> frozenset[int]:
-        """Units whose trainable state another rank owns: laid into receive slots here. A unit whose
-        flat another unit reads (a tied embedding) is kept whole on every rank."""
+        """Units another rank owns, laid into receive slots (a flat another unit reads stays whole)."""
         if self.sharding is None:
             return frozenset()
         tied = {e.owner for u, entries in enumerate(self.entries) for e in entries if e.owner != u}
@@ -247,14 +246,12 @@ class HostStore:
         if self.sharding is None or self.buffers[u].master_host is None:
             return
         self.sharding.broadcast_master(u, self.buffers[u].master_host)
-        if u in self.remote:
-            self.buffers[u].staging_dirty = True  # the staging copy of the slot is the previous unit's
+        self.buffers[u].staging_dirty = u in self.remote or self.buffers[u].staging_dirty  # a slot's copy
 
     def grads_landed(self, u: int, computed: dict | None = None) -> None:
         """Unit ``u``'s gradients of this backward are here: sum them into the owner's, tensor by tensor.
-
-        ``computed`` ({entry offset: gradient}, the CPU path of a unit another rank owns): sent straight
-        from the computed gradients, so the gradient slot is never written (nor resident)."""
+        ``computed`` ({entry offset: gradient}; the CPU, a unit another rank owns): sent as computed, so
+        the gradient slot is never written (nor resident)."""
         if self.sharding is None or self.buffers[u].grad_host is None:
             return
         owned = self.owned_trainable(u)  # every rank sends unit u in the same backward (same graph)
