@@ -116,7 +116,8 @@ def test_sequence_tile_tokens_option():
     ("llama", 2, False, 3),  # chain: embedding, 4 layers, norm, head (its own kernel: kept); L0, L2, norm recomputed
     ("llama", 3, True, 4),  # offloaded checkpoints: the kept ones come back from the host
     ("gemma3_text", 3, False, 4),
-    ("llama", 2, "layer_major", 3),  # no dropout: both micro-batches of a step go through each layer together
+    ("llama", 2, "layer_major", 3),
+    ("mixtral", 2, False, 3),  # the router logits HF's hooks capture: recorded once, differentiated  # no dropout: both micro-batches of a step go through each layer together
 ])
 def test_checkpoint_interval_matches_plain_trainer(family, interval, offload, again, tmp_path, monkeypatch):
     """Checkpoints of every k-th unit only (the rest recomputed in the backward), attention dropout
