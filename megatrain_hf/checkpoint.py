@@ -5,6 +5,10 @@ Layout inside a Trainer checkpoint folder (``checkpoint-N/``)::
     megatrain_optimizer/unit-00000.safetensors   exp_avg, exp_avg_sq: the unit's fp32 flats
     megatrain_optimizer/unit-00001.safetensors   ...
 
+With compressed moments (``optimizer_state`` "bf16" / "8bit" / "4bit") a file holds the unit's
+compressed tensors instead, by their names (``exp_avg.codes``, ``exp_avg.scales``, ...; bf16:
+``exp_avg``, ``exp_avg_sq`` in bf16), and the metadata names the format (``optimizer_state``).
+
 Each file's safetensors metadata (JSON strings) holds the format tag, the unit's index and name,
 the number of units, the flat's length, for each param group the Adam step count and the
 parameters' positions (torch's state-dict index, offset in the flat, shape), and the hyper-
@@ -14,7 +18,8 @@ parameters of every param group. Files are written straight from the host flats,
 in place. Nothing here unpickles: the format is tensors plus JSON.
 
 :func:`to_torch_state_dict` turns such a folder into ``torch.optim.AdamW``'s ``state_dict``
-layout (a full copy in RAM), for tools that expect ``optimizer.pt``.
+layout (a full copy in RAM, compressed moments expanded to fp32), for tools that expect
+``optimizer.pt``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import os
 from collections.abc import Callable
 
 import torch
+
+from .optim.compressed import tensor_names
+from .optim.quant import expand, format_of
 
 FORMAT = "megatrain-hostadamw-v1"
 OPTIMIZER_DIR = "megatrain_optimizer"
@@ -136,30 +144,37 @@ def _layout(optimizer, u: int) -> dict[str, list]:
 
 # ---------------------------------------------------------------------------------- save / load
 def save_optimizer(optimizer, folder: str) -> None:
-    """Write ``optimizer``'s (a HostAdamW) state into ``folder``, one safetensors file per unit."""
-    from safetensors.torch import save_file
+    """Write ``optimizer``'s (a HostAdamW) state into ``folder``, one safetensors file per unit.
 
+    Under data parallelism each rank writes the files of the units it owns (every file names all
+    units), so the folder is complete once every rank wrote, and loads on any number of ranks."""
     optimizer.synchronize()
     os.makedirs(folder, exist_ok=True)
     hyper = json.dumps(_encode(_hyper(optimizer)))
-    units = list(optimizer._plan)
-    for u in units:
-        exp_avg, exp_avg_sq = optimizer._exp_avg[u], optimizer._exp_avg_sq[u]
-        metadata = {
-            "format": FORMAT,
-            "unit": str(u),
-            "unit_name": optimizer.store.names[u],
-            "units": json.dumps(units),
-            "numel": str(exp_avg.numel()),
-            "steps": json.dumps(
-                {str(gi): [float(step) for step in optimizer._steps[(u, gi)]] for gi in optimizer._plan[u]}
-            ),
-            "layout": json.dumps(_layout(optimizer, u)),
-            "param_groups": hyper,
-        }
-        tensors = {"exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-        atomic_write(unit_file(folder, u), lambda tmp, t=tensors, m=metadata: save_file(t, tmp, metadata=m))
+    units = list(optimizer.all_units)
+    for u in optimizer._plan:
+        with optimizer.unit_state(u) as tensors:  # paged in from the disk tier when it is there
+            _save_unit(optimizer, folder, u, units, hyper, dict(tensors))
     fsync_path(folder)
+
+
+def _save_unit(optimizer, folder: str, u: int, units: list[int], hyper: str, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    metadata = {
+        "format": FORMAT,
+        "optimizer_state": optimizer.format.mode,
+        "unit": str(u),
+        "unit_name": optimizer.store.names[u],
+        "units": json.dumps(units),
+        "numel": str(optimizer.store.buffers[u].master_host.numel()),
+        "steps": json.dumps(
+            {str(gi): [float(step) for step in optimizer._steps[(u, gi)]] for gi in optimizer._plan[u]}
+        ),
+        "layout": json.dumps(_layout(optimizer, u)),
+        "param_groups": hyper,
+    }
+    atomic_write(unit_file(folder, u), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _read_headers(folder: str, expected_units: list[int] | None) -> dict[int, dict]:
@@ -201,30 +216,41 @@ def _read_headers(folder: str, expected_units: list[int] | None) -> dict[int, di
 
 
 def load_optimizer(optimizer, folder: str) -> None:
-    """Load a folder written by :func:`save_optimizer` into ``optimizer`` (a HostAdamW), in place."""
+    """Load a folder written by :func:`save_optimizer` into ``optimizer`` (a HostAdamW), in place
+    (under data parallelism: the units this rank owns, whatever the world size that wrote it)."""
     from safetensors import safe_open
 
     optimizer.synchronize()
-    units = list(optimizer._plan)
-    headers = _read_headers(folder, units)
+    units = list(optimizer.all_units)
+    headers = {u: meta for u, meta in _read_headers(folder, units).items() if u in optimizer._plan}
+    mode = optimizer.format.mode
     for u, meta in headers.items():  # validate everything before changing anything
-        numel = optimizer._exp_avg[u].numel()
+        saved_mode = meta.get("optimizer_state", "fp32")
+        if saved_mode != mode:
+            raise ValueError(
+                f"{unit_file(folder, u)} holds optimizer_state={saved_mode!r} moments, this HostAdamW keeps "
+                f"{mode!r}. Fix: resume with optimizer_state={saved_mode!r} (or convert the checkpoint with "
+                "megatrain_hf.checkpoint.to_torch_state_dict and load that into a fresh optimizer)."
+            )
+        numel = optimizer.store.buffers[u].master_host.numel()
         if int(meta["numel"]) != numel or json.loads(meta["layout"]) != _layout(optimizer, u):
             raise ValueError(
                 f"{unit_file(folder, u)} (unit {meta.get('unit_name')}) has another parameter layout than "
                 f"unit {optimizer.store.names[u]} of this model ({meta['numel']} vs {numel} elements, or other "
                 "shapes/groups): the checkpoint belongs to another model or another set of trainable parameters."
             )
-    saved_groups = _decode(json.loads(headers[units[0]]["param_groups"]))
+    first = json.loads(next(iter(headers.values()))["param_groups"]) if headers else None
+    saved_groups = _decode(first) if first is not None else [
+        {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
             f"the sharded optimizer checkpoint {folder} has {len(saved_groups)} param groups, the optimizer "
             f"{len(optimizer.param_groups)}"
         )
     for u, meta in headers.items():
-        with safe_open(unit_file(folder, u), framework="pt") as f:
-            optimizer._exp_avg[u].copy_(f.get_tensor("exp_avg"))
-            optimizer._exp_avg_sq[u].copy_(f.get_tensor("exp_avg_sq"))
+        with safe_open(unit_file(folder, u), framework="pt") as f, optimizer.unit_state(u, write=True) as tensors:
+            for name, tensor in tensors.items():  # exp_avg / exp_avg_sq, or the compressed codes and scales
+                tensor.copy_(f.get_tensor(name))
         for gi, saved in json.loads(meta["steps"]).items():
             counters = optimizer._steps[(u, int(gi))]
             saved = saved if isinstance(saved, list) else [saved] * len(counters)  # one value per group
@@ -248,19 +274,48 @@ def to_torch_state_dict(folder: str) -> dict:
     state: dict[int, dict] = {}
     for u, meta in headers.items():
         steps = json.loads(meta["steps"])
+        fmt = format_of(meta.get("optimizer_state", "fp32"))
+        names = ["exp_avg", "exp_avg_sq"] if fmt.mode == "fp32" else tensor_names(fmt)
         with safe_open(unit_file(folder, u), framework="pt") as f:
-            exp_avg, exp_avg_sq = f.get_tensor("exp_avg"), f.get_tensor("exp_avg_sq")
-        for gi, params in json.loads(meta["layout"]).items():
+            tensors = {name: f.get_tensor(name) for name in names}
+        layout = json.loads(meta["layout"])
+        blocks = _block_offsets(fmt, [p for params in layout.values() for p in params])
+        for gi, params in layout.items():
             group_steps = steps[gi] if isinstance(steps[gi], list) else [steps[gi]] * len(params)
             for (index, offset, shape), step in zip(params, group_steps):
-                numel = 1
-                for s in shape:
-                    numel *= s
                 members[int(gi)].append(index)
-                state[index] = {
-                    "step": torch.tensor(step, dtype=torch.float32),
-                    "exp_avg": exp_avg[offset : offset + numel].clone().view(shape),
-                    "exp_avg_sq": exp_avg_sq[offset : offset + numel].clone().view(shape),
-                }
+                state[index] = {"step": torch.tensor(step, dtype=torch.float32)}
+                for k, key in enumerate(("exp_avg", "exp_avg_sq")):
+                    state[index][key] = _expanded(fmt, k, key, tensors, offset, blocks[offset], shape)
     param_groups = [dict(g, params=sorted(m)) for g, m in zip(groups, members)]
     return {"state": dict(sorted(state.items())), "param_groups": param_groups}
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _block_offsets(fmt, params: list[list]) -> dict[int, int]:
+    """offset -> first scale of that tensor: blocks numbered per tensor in offset order (compressed.py)."""
+    out, n = {}, 0
+    for _, offset, shape in sorted(params, key=lambda p: p[1]):
+        if offset not in out:
+            out[offset] = n
+            n += fmt.blocks(_numel(shape))
+    return out
+
+
+def _expanded(fmt, k: int, key: str, tensors: dict, offset: int, block: int, shape: list[int]) -> torch.Tensor:
+    """One tensor's moment ``key`` as a new fp32 tensor of ``shape``."""
+    numel = _numel(shape)
+    if fmt.mode == "fp32":
+        return tensors[key][offset : offset + numel].clone().view(shape)
+    if not fmt.quantized:
+        return tensors[key][offset : offset + numel].float().view(shape)
+    start = offset if fmt.bits == 8 else offset // 2
+    codes = tensors[f"{key}.codes"][start : start + fmt.code_bytes(numel)]
+    scales = tensors[f"{key}.scales"][block : block + fmt.blocks(numel)]
+    return expand(fmt, k, codes, scales, numel).view(shape)

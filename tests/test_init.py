@@ -2,7 +2,8 @@
 
 mt.Trainer trains like plain Trainer (fp32 CPU parity, 1e-6) with megatrain attached and HostAdamW;
 init() enables the config for every Trainer, maps max_vram_gb to max_gpu_memory, refuses unknown
-options and says offload_dir / optimizer_compression are not available; `import megatrain_hf`
+options, maps optimizer_compression to optimizer_state and offload_dir to the disk tier (refusing one that does
+not exist); `import megatrain_hf`
 loads neither transformers nor the Trainer integration.
 """
 
@@ -85,8 +86,9 @@ def test_the_seed_example_runs_from_a_deferred_model(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"offload_dir": "/mnt/nvme/cache"}, r"offload_dir='/mnt/nvme/cache'\): a disk tier .* is not available"),
-    ({"optimizer_compression": True}, r"optimizer_compression=True\): compressed optimizer state is not available"),
+    ({"offload_dir": "/mnt/nvme/cache-missing"}, r"offload_dir='/mnt/nvme/cache-missing' does not exist. Fix"),
+    ({"optimizer_compression": "2bit"}, r"optimizer_compression='2bit'\): allowed: True .* '4bit'"),
+    ({"optimizer_compression": True, "optimizer_state": "4bit"}, "set the same thing; pass one"),
     ({"max_vram_gb": 0}, r"max_vram_gb=0\): must be a number of GB > 0"),
     ({"max_vram_gb": "80"}, r"max_vram_gb='80'\): must be a number"),
     ({"max_vram_gb": True}, r"max_vram_gb=True\): must be a number"),
@@ -98,6 +100,14 @@ def test_init_refuses_what_it_cannot_do(kwargs, match):
     with pytest.raises(ValueError, match=match):
         mt.init(**kwargs)
     assert not is_enabled()
+
+
+@pytest.mark.parametrize("value,state", [(True, "8bit"), (False, "fp32"), ("bf16", "bf16"), ("4bit", "4bit")])
+def test_init_optimizer_compression_sets_optimizer_state(value, state):
+    try:
+        assert mt.init(optimizer_compression=value).optimizer_state == state
+    finally:
+        mt.disable()
 
 
 def test_import_loads_neither_transformers_nor_the_trainer_integration():

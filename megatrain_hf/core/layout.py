@@ -6,7 +6,8 @@ counts their bytes before anything exists), so the two cannot disagree.
 Per unit, the trainable parameters share one fp32 flat (the *master*; the gradient accumulator and
 the AdamW moments have the same layout): first the tensors that cross the link in the compute
 dtype (their *staging* copy covers ``master[:n_staged]``), then the fp32-wire ones, each starting
-on a 64-byte boundary. Frozen parameters (PEFT base weights) live in one flat per wire dtype.
+on a 64-byte boundary. Frozen parameters (PEFT base weights) live in one flat per wire dtype; a
+quantized one (``quant.py``) is a byte range of the ``uint8`` frozen flat.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+
+from .quant import QuantFormat
 
 ALIGN_ELEMS = 16
 """Every tensor starts on a 64-byte boundary inside its flat (16 fp32 elements)."""
@@ -85,10 +88,12 @@ class Entry:
     wire: torch.dtype
     offset: int = 0  # element offset inside the owner's master (trainable) or frozen flat
     shape: torch.Size = field(default_factory=torch.Size)
+    quant: QuantFormat | None = None  # a quantized frozen weight: ``numel`` bytes of the uint8 frozen flat
 
     @property
     def numel(self) -> int:
-        return self.tensor.numel()
+        """Elements of its flat it occupies (bytes for a quantized weight)."""
+        return self.quant.nbytes if self.quant is not None else self.tensor.numel()
 
     @property
     def source(self) -> tuple[Kind, torch.dtype]:
@@ -113,6 +118,7 @@ class UnitSizes:
     n_train: int = 0  # master (= gradient = each moment) elements, alignment included
     n_staged: int = 0  # master[:n_staged] crosses the link in the compute dtype (its staging copy)
     frozen: dict[torch.dtype, int] = field(default_factory=dict)  # wire dtype -> frozen flat elements
+    train_numels: list[int] = field(default_factory=list)  # each trainable tensor's elements (its own blocks)
 
 
 def lay_out(specs: list[TensorSpec]) -> UnitSizes:
@@ -127,6 +133,7 @@ def lay_out(specs: list[TensorSpec]) -> UnitSizes:
     for s in fp32:
         s.offset = sizes.n_train
         sizes.n_train += aligned(s.numel)
+    sizes.train_numels = [s.numel for s in staged + fp32]
     for s in specs:
         if not s.trainable:
             s.offset = sizes.frozen.get(s.wire, 0)
@@ -138,17 +145,32 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+MOMENT_FORMATS = {"fp32": (32, 0), "bf16": (16, 0), "8bit": (8, 256), "4bit": (4, 128)}
+"""``optimizer_state`` -> (bits per element, elements per fp32 block scale; 0: none) of HostAdamW's
+moments (the formats themselves: ``optim/quant.py``)."""
+
+
+def moment_bytes(sizes: UnitSizes, optimizer_state: str) -> int:
+    """Host bytes of one AdamW moment of one unit in ``optimizer_state``: the codes, laid out like
+    the master flat, plus one fp32 scale per block of each trainable tensor."""
+    bits, block = MOMENT_FORMATS[optimizer_state]
+    scales = 4 * max(1, sum(-(-n // block) for n in sizes.train_numels)) if block else 0
+    return (sizes.n_train * bits + 7) // 8 + scales
+
+
 def host_tiers(units: list[UnitSizes], compute_dtype: torch.dtype, *, staging: bool,
-               optimizer_state: bool = True) -> dict[str, int]:
+               optimizer_state: bool | str = True) -> dict[str, int]:
     """Host bytes per tier of units laid out by :func:`lay_out`.
 
     ``staging``: whether the store keeps the compute-dtype copy (never for fp32 compute);
-    ``optimizer_state``: count HostAdamW's two fp32 moments per trainable element.
+    ``optimizer_state``: HostAdamW's two moments per trainable element in that format (``"fp32"``,
+    ``"bf16"``, ``"8bit"``, ``"4bit"``; ``True``: fp32), or ``False``: not counted.
     """
     trainable = sum(s.n_train for s in units)
     staged = sum(s.n_staged for s in units) if staging and compute_dtype != torch.float32 else 0
     frozen = sum(n * dtype_bytes(d) for s in units for d, n in s.frozen.items())
-    moments = 4 * trainable if optimizer_state else 0
+    state = "fp32" if optimizer_state is True else optimizer_state
+    moments = sum(moment_bytes(s, state) for s in units if s.n_train) if state else 0
     return {
         "master": 4 * trainable,
         "grad": 4 * trainable,

@@ -51,8 +51,9 @@ class ModelFit:
 
 
 def _host_total(shape: ModelShape, compute_dtype: str, lora_rank: int | None, host_staging: bool = True,
-                offload_tokens: int = 0) -> int:
-    tiers = _host_tiers(_layout(shape, lora_rank, LORA_TARGETS), _DTYPE_BY_NAME[compute_dtype], host_staging)
+                offload_tokens: int = 0, base_quantization: str = "none", optimizer_state: str = "fp32") -> int:
+    tiers = _host_tiers(_layout(shape, lora_rank, LORA_TARGETS, base_quantization), _DTYPE_BY_NAME[compute_dtype],
+                        host_staging, optimizer_state)
     return sum(tiers.values()) + checkpoint_bytes(offload_tokens, shape.hidden, shape.layers)
 
 
@@ -65,6 +66,8 @@ def largest_model(
     lora_rank: int | None = None,
     host_staging: bool = True,
     offload_tokens: int = 0,
+    base_quantization: str = "none",
+    optimizer_state: str = "fp32",
 ) -> ModelFit:
     """The largest depth and the largest width of ``base`` whose host plan fits ``available_bytes``.
 
@@ -78,7 +81,7 @@ def largest_model(
 
     ``host_staging`` and ``offload_tokens`` (tokens whose activation checkpoints live in host RAM:
     sequence x micro-batch x micro-batches in flight, with ``offload_checkpoints``) plan what
-    :func:`plan_memory` plans with the same options.
+    :func:`plan_memory` plans with the same options (``base_quantization`` too).
     """
     _check_int("available_bytes", available_bytes, 0)
     if compute_dtype not in _COMPUTE_BYTES:
@@ -86,7 +89,8 @@ def largest_model(
     budget = available_bytes - headroom_bytes
 
     def total(shape: ModelShape) -> int:
-        return _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens)
+        return _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens, base_quantization,
+                           optimizer_state)
 
     one, two = (total(base.with_layers(n)) for n in (1, 2))
     per_layer = two - one
@@ -142,6 +146,8 @@ def largest_preset(
     lora_rank: int | None = None,
     host_staging: bool = True,
     offload_tokens: int = 0,
+    base_quantization: str = "none",
+    optimizer_state: str = "fp32",
 ) -> str | None:
     """Name of the real-size preset with the most parameters whose host plan fits, or ``None``
     (the test preset ``tiny`` is not considered); options as in :func:`largest_model`."""
@@ -149,7 +155,8 @@ def largest_preset(
         (shape.params(), name)
         for name, shape in PRESETS.items()
         if name != "tiny"
-        and _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens) + headroom_bytes
+        and _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens, base_quantization,
+                        optimizer_state) + headroom_bytes
         <= available_bytes
     ]
     return max(fitting)[1] if fitting else None

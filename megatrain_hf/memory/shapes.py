@@ -314,6 +314,8 @@ PRESETS: dict[str, ModelShape] = {
         _preset("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, attention_bias=True),  # Qwen2.5-7B: 7.62 B
         _preset("qwen2.5-14b", 5120, 13824, 48, 40, 8, 152064, attention_bias=True),  # 14.8 B
         _preset("llama-70b", 8192, 28672, 80, 64, 8, 32000),  # Llama-2-70B: 69.0 B
+        _preset("llama-3-70b", 8192, 28672, 80, 64, 8, 128256),  # Llama-3-70B: 70.6 B
+        _preset("mistral-large-123b", 12288, 28672, 88, 96, 8, 32768),  # Mistral-Large-2: 122.6 B
     )
 }
 """Named shapes for planning without a config.json (``--model llama-7b``)."""

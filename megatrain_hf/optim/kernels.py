@@ -6,6 +6,11 @@
 * :func:`native_update`: ``csrc/host_adamw.cpp`` (see ``native.py``), which does the clip multiply,
   AdamW and the compute-dtype staging copy in one pass over memory, with torch's arithmetic op for
   op; the gradients are left as they are.
+
+With compressed moments (``optimizer_state`` other than fp32, ``quant.py``): :func:`torch_update`
+expands each tensor's moments to fp32, runs the same fused kernel and compresses them again (a
+tensor-sized fp32 copy at a time); :func:`native_update` passes the codes and scales to the C++,
+which expands, updates and compresses block by block in the same single pass (no fp32 copy).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ class GroupWork:
     eps: float
     maximize: bool
     clip: torch.Tensor | None  # clip_grad_norm_'s coefficient (< 1), or None
+    compressed: list | None = None  # compressed moments: each parameter's EntryState (exp_avgs unused)
+    fmt: object = None  # their quant.Format
 
     @property
     def numel(self) -> int:
@@ -54,14 +61,22 @@ class UnitJob:
 
 
 def torch_update(w: GroupWork) -> None:
+    exp_avgs, exp_avg_sqs = w.exp_avgs, w.exp_avg_sqs
+    if w.compressed is not None:
+        exp_avgs = [s.expand(w.fmt, 0).view(p.shape) for s, p in zip(w.compressed, w.params)]
+        exp_avg_sqs = [s.expand(w.fmt, 1).view(p.shape) for s, p in zip(w.compressed, w.params)]
     torch._foreach_add_(w.steps, 1)
     if w.clip is not None:
         torch._foreach_mul_(w.grads, w.clip.to(w.grads[0].device))  # exactly clip_grad_norm_'s multiply
     torch._fused_adamw_(
-        w.params, w.grads, w.exp_avgs, w.exp_avg_sqs, [], w.steps, amsgrad=False, lr=w.lr, beta1=w.beta1,
+        w.params, w.grads, exp_avgs, exp_avg_sqs, [], w.steps, amsgrad=False, lr=w.lr, beta1=w.beta1,
         beta2=w.beta2, weight_decay=w.weight_decay, eps=w.eps, maximize=w.maximize, grad_scale=None,
         found_inf=None,
     )
+    if w.compressed is not None:
+        for s, m, v in zip(w.compressed, exp_avgs, exp_avg_sqs):
+            s.assign(w.fmt, 0, m)
+            s.assign(w.fmt, 1, v)
 
 
 def native_update(lib, w: GroupWork, stages: list[torch.Tensor | None]) -> None:
@@ -70,8 +85,7 @@ def native_update(lib, w: GroupWork, stages: list[torch.Tensor | None]) -> None:
 
     torch._foreach_add_(w.steps, 1)
     lr = float(w.lr)
-    scalars: dict[str, list[float]] = {k: [] for k in ("decay", "lerp", "beta2", "sq_coef", "bc2_sqrt", "eps",
-                                                        "neg_step_size")}
+    scalars: dict[str, list[float]] = {k: [] for k in native._HYPER}
     for step in w.steps:
         n = float(step)
         scalars["decay"].append(1 - lr * w.weight_decay if w.weight_decay != 0 else 1.0)
@@ -82,5 +96,11 @@ def native_update(lib, w: GroupWork, stages: list[torch.Tensor | None]) -> None:
         scalars["eps"].append(w.eps)
         scalars["neg_step_size"].append(-(lr / (1 - w.beta1**n)))
     clip = float(w.clip) if w.clip is not None else 1.0
-    native.adamw(lib, w.params, w.grads, w.exp_avgs, w.exp_avg_sqs, stages, scalars, clip, bool(w.maximize),
-                 torch.get_num_threads())
+    threads = torch.get_num_threads()
+    if w.compressed is not None:
+        codes = tuple([s.codes[k] for s in w.compressed] for k in (0, 1))
+        scales = tuple([s.scales[k] for s in w.compressed] for k in (0, 1))
+        native.adamw_compressed(lib, w.params, w.grads, codes, scales, stages, scalars, w.fmt, clip,
+                                bool(w.maximize), threads)
+        return
+    native.adamw(lib, w.params, w.grads, w.exp_avgs, w.exp_avg_sqs, stages, scalars, clip, bool(w.maximize), threads)

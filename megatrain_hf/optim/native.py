@@ -86,6 +86,10 @@ def host_adamw() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_int64, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, ctypes.POINTER(ctypes.c_int64)] + [_FLOATS] * 7 + [
         ctypes.c_float, ctypes.c_int, ctypes.c_int,
     ]
+    fn = lib.megatrain_adamw_compressed
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int64, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, ctypes.POINTER(ctypes.c_int64)] + [
+        _FLOATS] * 7 + [ctypes.c_int, ctypes.c_int64] + [_FLOATS] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -102,22 +106,70 @@ def adamw(
     threads: int,
 ) -> None:
     """One AdamW step over contiguous fp32 tensors (``scalars``: per-tensor hyper-parameters, see the C++)."""
+    _check_cpu(params, grads, exp_avgs, exp_avg_sqs, dtype=torch.float32)
     n = len(params)
-    for t in (*params, *grads, *exp_avgs, *exp_avg_sqs):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"native AdamW needs contiguous fp32 CPU tensors, got {t.dtype} {t.device}")
-
-    def ptrs(tensors):
-        return (ctypes.c_void_p * n)(*[t.data_ptr() if t is not None else None for t in tensors])
-
-    def floats(name):
-        return (ctypes.c_float * n)(*scalars[name])
-
     status = lib.megatrain_adamw(
-        n, ptrs(params), ptrs(grads), ptrs(exp_avgs), ptrs(exp_avg_sqs), ptrs(stages),
-        (ctypes.c_int64 * n)(*[t.numel() for t in params]),
-        floats("decay"), floats("lerp"), floats("beta2"), floats("sq_coef"), floats("bc2_sqrt"), floats("eps"),
-        floats("neg_step_size"), float(clip), int(maximize), int(threads),
+        n, _ptrs(params), _ptrs(grads), _ptrs(exp_avgs), _ptrs(exp_avg_sqs), _ptrs(stages),
+        (ctypes.c_int64 * n)(*[t.numel() for t in params]), *_hyper(scalars, n), float(clip), int(maximize),
+        int(threads),
     )
+    _report(status, threads)
+
+
+_HYPER = ("decay", "lerp", "beta2", "sq_coef", "bc2_sqrt", "eps", "neg_step_size")
+
+
+def _check_cpu(*groups: list[torch.Tensor], dtype: torch.dtype | None) -> None:
+    for group in groups:
+        for t in group:
+            if (dtype is not None and t.dtype != dtype) or not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"native AdamW needs contiguous {dtype or ''} CPU tensors, got {t.dtype} {t.device}")
+
+
+def _ptrs(tensors):
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() if t is not None else None for t in tensors])
+
+
+def _hyper(scalars: dict[str, list[float]], n: int) -> list:
+    return [(ctypes.c_float * n)(*scalars[name]) for name in _HYPER]
+
+
+def _floats(t: torch.Tensor):
+    return ctypes.cast(t.data_ptr(), _FLOATS)
+
+
+def adamw_compressed(
+    lib: ctypes.CDLL,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    codes: tuple[list[torch.Tensor], list[torch.Tensor]],
+    scales: tuple[list[torch.Tensor | None], list[torch.Tensor | None]],
+    stages: list[torch.Tensor | None],
+    scalars: dict[str, list[float]],
+    fmt,
+    clip: float,
+    maximize: bool,
+    threads: int,
+) -> None:
+    """One AdamW step with compressed moments (``fmt``: a ``quant.Format``), dequantize -> update ->
+    requantize per block in one pass (``megatrain_adamw_compressed`` in the C++)."""
+    _check_cpu(params, grads, dtype=torch.float32)
+    _check_cpu(*codes, dtype=None)
+    n = len(params)
+    if fmt.quantized:
+        tables = [fmt.table(0), fmt.midpoints(0), fmt.table(1), fmt.midpoints(1)]
+    else:
+        tables = [torch.zeros(1)] * 4  # not read
+    status = lib.megatrain_adamw_compressed(
+        n, _ptrs(params), _ptrs(grads), _ptrs(codes[0]), _ptrs(scales[0]), _ptrs(codes[1]), _ptrs(scales[1]),
+        _ptrs(stages), (ctypes.c_int64 * n)(*[t.numel() for t in params]), *_hyper(scalars, n), int(fmt.bits),
+        int(fmt.block), *[_floats(t) for t in tables], float(clip), int(maximize), int(threads),
+    )
+    if status == -2:
+        raise ValueError(f"native AdamW: unsupported compressed format {fmt}")
+    _report(status, threads)
+
+
+def _report(status: int, threads: int) -> None:
     if status != 0:
         logger.warning("megatrain: native AdamW could not start all %d threads; the update ran on fewer", threads)

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
+
+from .quant import MODES, unknown_state
+
+
+def _check_state(name: str, value) -> None:
+    if not isinstance(value, str) or value not in MODES:
+        raise unknown_state(value, f"MegaTrainConfig.{name}")
 
 
 @dataclass(kw_only=True)
@@ -23,6 +30,15 @@ class OptimizerOptions:
     equal torch's fused kernel up to one rounding on a few elements), `"torch"` (torch's fused CPU
     AdamW, bitwise like `torch.optim.AdamW(fused=True)`), `"auto"`: native when computing on CUDA
     (torch's, with a warning, if it cannot be built), torch on the CPU."""
+
+    optimizer_state: Annotated[Literal["fp32", "bf16", "8bit", "4bit"], _check_state] = "fp32"
+    """How HostAdamW keeps `exp_avg` / `exp_avg_sq` in host RAM (docs/optimizer-state.md):
+    `"fp32"` (exact, 8 B/param), `"bf16"` (4 B/param, rounded to nearest even each step),
+    `"8bit"` (blockwise dynamic quantization, blocks of 256 with an fp32 scale each, as
+    bitsandbytes' 8-bit optimizers: ~2.03 B/param), `"4bit"` (blocks of 128, as torchao's 4-bit
+    AdamW: ~1.06 B/param). The moments are expanded only inside the update (one fused pass of the
+    native kernel). Needs the AdamW that megatrain replaces: another optimizer is refused;
+    `device_update` is refused with it. `megatrain_hf.init(optimizer_compression=True)` means `"8bit"`."""
 
     device_update: bool = False
     """EXPERIMENTAL. Let the GPU take a share of HostAdamW's update: each step's units are split, in

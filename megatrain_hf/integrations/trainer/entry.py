@@ -43,13 +43,30 @@ def _vram_bytes(max_vram_gb: Any) -> int:
     return int(max_vram_gb * 10**9)
 
 
+_COMPRESSION = {True: "8bit", False: "fp32", "bf16": "bf16", "8bit": "8bit", "4bit": "4bit"}
+
+
+def _compression(value: Any) -> str:
+    if (isinstance(value, bool) or isinstance(value, str)) and value in _COMPRESSION:
+        return _COMPRESSION[value]
+    raise ValueError(
+        f"megatrain_hf.init(optimizer_compression={value!r}): allowed: True (8-bit moments), False (fp32), "
+        "'bf16', '8bit' or '4bit' (docs/optimizer-state.md). Fix: e.g. optimizer_compression=True."
+    )
+
+
 def config_options(offload_dir: Any = None, max_vram_gb: Any = None, optimizer_compression: Any = False,
                    **options: Any) -> dict[str, Any]:
     """``init()``'s arguments as ``MegaTrainConfig`` fields (its own names mapped here, and only here)."""
     if offload_dir is not None:
-        raise _not_available("offload_dir", offload_dir, "a disk tier for the optimizer state")
+        if "offload_dir" in options:
+            raise ValueError(f"megatrain_hf.init(): got offload_dir twice ({offload_dir!r} and {options['offload_dir']!r})")
+        options["offload_dir"] = offload_dir  # MegaTrainConfig validates it (an existing, writable directory)
     if optimizer_compression is not False:
-        raise _not_available("optimizer_compression", optimizer_compression, "compressed optimizer state")
+        if "optimizer_state" in options:
+            raise ValueError(f"megatrain_hf.init(): got optimizer_compression={optimizer_compression!r} and "
+                             f"optimizer_state={options['optimizer_state']!r}, which set the same thing; pass one.")
+        options["optimizer_state"] = _compression(optimizer_compression)
     if max_vram_gb is not None:
         if "max_gpu_memory" in options:
             raise ValueError(f"megatrain_hf.init(): got max_vram_gb={max_vram_gb!r} and max_gpu_memory="
@@ -58,13 +75,17 @@ def config_options(offload_dir: Any = None, max_vram_gb: Any = None, optimizer_c
     return options
 
 
-def init(offload_dir: str | None = None, max_vram_gb: float | None = None, optimizer_compression: bool = False,
+def init(offload_dir: str | None = None, max_vram_gb: float | None = None, optimizer_compression: bool | str = False,
          **options: Any) -> MegaTrainConfig:
     """Train every ``Trainer`` built from now on with megatrain; return the config.
 
     ``max_vram_gb``: the GPU memory budget in GB (10**9 bytes; ``MegaTrainConfig.max_gpu_memory``).
-    ``offload_dir`` (a disk tier) and ``optimizer_compression`` are refused with a ``ValueError``: not
-    available in this version. Any other keyword is a ``MegaTrainConfig`` field (docs/configuration.md),
+    ``optimizer_compression``: compressed AdamW moments in host RAM (``MegaTrainConfig.optimizer_state``,
+    docs/optimizer-state.md): ``True`` means ``"8bit"``, ``False`` ``"fp32"`` (exact, the default), or
+    one of ``"bf16"``, ``"8bit"``, ``"4bit"``.
+    ``offload_dir``: a directory on a local disk for the disk tier (``MegaTrainConfig.offload_dir``; where the
+    AdamW moments go is ``offload_state``'s choice, docs/disk-tier.md). Any other keyword is a
+    ``MegaTrainConfig`` field (docs/configuration.md),
     e.g. ``init(compute_dtype="bf16", layer_major=False)``; an unknown one is refused. Calling ``init()``
     again replaces the config; ``megatrain_hf.disable()`` stops it.
     """

@@ -50,6 +50,25 @@ inline uint16_t to_bf16(float x) {
   return static_cast<uint16_t>(bits >> 16);
 }
 
+struct Hyper {  // one tensor's constants, as update_range derives them
+  float coeff, decay, beta2, sq_coef, bc2_sqrt, eps, neg_step_size;
+  bool small_lerp;
+  explicit Hyper(const Tensor& t)
+      : coeff(std::fabs(t.lerp) < 0.5f ? t.lerp : t.lerp - 1.0f), decay(t.decay), beta2(t.beta2),
+        sq_coef(t.sq_coef), bc2_sqrt(t.bc2_sqrt), eps(t.eps), neg_step_size(t.neg_step_size),
+        small_lerp(std::fabs(t.lerp) < 0.5f) {}
+};
+
+// One element of AdamW: torch's fused ADAMW arithmetic (see the top of the file). Returns the new
+// parameter; `mi` / `vi` receive the new moments.
+inline float adamw_element(const Hyper& h, float g, float p, float mo, float vo, float& mi, float& vi) {
+  const float param = p * h.decay;
+  mi = std::fma(h.coeff, g - mo, h.small_lerp ? mo : g);  // exp_avg.lerp_(grad, 1 - beta1)
+  vi = std::fma(h.sq_coef * g, g, vo * h.beta2);  // as torch's build contracts it
+  const float denom = std::sqrt(vi) / h.bc2_sqrt + h.eps;
+  return param + h.neg_step_size * mi / denom;
+}
+
 // Branch-free so that the compiler vectorises it: multiplying by an exact 1.0f (no clipping, no
 // weight decay) or -1.0f (maximize) gives the same bits as skipping the multiply.
 template <bool kStage>
@@ -59,18 +78,11 @@ void update_range(const Tensor& t, int64_t begin, int64_t end, float scale) {
   float* __restrict m = t.exp_avg;
   float* __restrict v = t.exp_avg_sq;
   uint16_t* __restrict s = t.stage;
-  const bool small_lerp = std::fabs(t.lerp) < 0.5f;
-  const float coeff = small_lerp ? t.lerp : t.lerp - 1.0f;
-  const float decay = t.decay, beta2 = t.beta2, sq_coef = t.sq_coef, bc2_sqrt = t.bc2_sqrt, eps = t.eps;
-  const float neg_step_size = t.neg_step_size;
+  const Hyper h(t);
   for (int64_t i = begin; i < end; ++i) {
     const float g = g_in[i] * scale;  // clip_grad_norm_'s multiply (and maximize's sign)
-    const float param = p[i] * decay;
-    const float mo = m[i];
-    const float mi = std::fma(coeff, g - mo, small_lerp ? mo : g);  // exp_avg.lerp_(grad, 1 - beta1)
-    const float vi = std::fma(sq_coef * g, g, v[i] * beta2);  // as torch's build contracts it
-    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    const float out = param + neg_step_size * mi / denom;
+    float mi, vi;
+    const float out = adamw_element(h, g, p[i], m[i], v[i], mi, vi);
     m[i] = mi;
     v[i] = vi;
     p[i] = out;
@@ -84,6 +96,121 @@ void update(const Tensor& t, int64_t begin, int64_t end, float clip, bool maximi
     update_range<true>(t, begin, end, scale);
   } else {
     update_range<false>(t, begin, end, scale);
+  }
+}
+
+// Run body(0 .. count-1) on up to `threads` threads taking items from a shared counter. Returns 0,
+// or -1 if a thread could not be started (the others, and the calling thread, do all the items).
+template <typename F>
+int run_parallel(int64_t count, int threads, F&& body) {
+  const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, count)));
+  std::atomic<int64_t> next{0};
+  auto run = [&]() {
+    for (int64_t c = next.fetch_add(1); c < count; c = next.fetch_add(1)) body(c);
+  };
+  std::vector<std::thread> pool;
+  int status = 0;
+  for (int w = 1; w < workers; ++w) {
+    try {
+      pool.emplace_back(run);
+    } catch (...) {
+      status = -1;
+      break;
+    }
+  }
+  run();
+  for (auto& th : pool) th.join();
+  return status;
+}
+
+// ------------------------------------------------------------------ compressed moments
+// bits 16: m / v are bf16 arrays (round to nearest even after the update). bits 8 / 4: blockwise
+// codes (4-bit: element 2i in the low nibble of byte i) with one fp32 absmax per block of `block`
+// elements from the tensor's start; a code expands to map[code] * absmax, and the new value gets
+// the code of the nearest map value of value / absmax: the count of midpoints <= it.
+struct Format {
+  int bits;
+  int64_t block;
+  int n_codes;
+  const float* map[2];
+  const float* mid[2];
+};
+
+struct QTensor {
+  Tensor t;            // param, grad, stage, size and the hyper-parameters (exp_avg* unused)
+  void* codes[2];
+  float* scales[2];
+};
+
+inline float bf16_to_float(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+inline int find_code(const float* mid, int n_codes, float x) {
+  int pos = 0;
+  for (int step = n_codes / 2; step >= 1; step /= 2) pos += (mid[pos + step - 1] <= x) ? step : 0;
+  return pos;
+}
+
+inline int get_code(const Format& f, const uint8_t* c, int64_t i) {
+  return f.bits == 8 ? c[i] : ((c[i >> 1] >> ((i & 1) * 4)) & 0x0F);
+}
+
+constexpr int64_t kMaxBlock = 4096;
+
+// Elements [begin, end) of one tensor; begin is a multiple of the block.
+void update_compressed(const QTensor& q, const Format& f, int64_t begin, int64_t end, float scale) {
+  const Tensor& t = q.t;
+  const Hyper h(t);
+  if (f.bits == 16) {
+    uint16_t* __restrict m = static_cast<uint16_t*>(q.codes[0]);
+    uint16_t* __restrict v = static_cast<uint16_t*>(q.codes[1]);
+    for (int64_t i = begin; i < end; ++i) {
+      float mi, vi;
+      const float out = adamw_element(h, t.grad[i] * scale, t.param[i], bf16_to_float(m[i]), bf16_to_float(v[i]), mi, vi);
+      m[i] = to_bf16(mi);
+      v[i] = to_bf16(vi);
+      t.param[i] = out;
+      if (t.stage) t.stage[i] = to_bf16(out);
+    }
+    return;
+  }
+  float nm[kMaxBlock], nv[kMaxBlock];
+  uint8_t* cm = static_cast<uint8_t*>(q.codes[0]);
+  uint8_t* cv = static_cast<uint8_t*>(q.codes[1]);
+  for (int64_t b0 = begin; b0 < end; b0 += f.block) {
+    const int64_t nb = std::min(f.block, end - b0), blk = b0 / f.block;
+    const float sm = q.scales[0][blk], sv = q.scales[1][blk];
+    float am = 0.0f, av = 0.0f;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t i = b0 + j;
+      const float mo = f.map[0][get_code(f, cm, i)] * sm, vo = f.map[1][get_code(f, cv, i)] * sv;
+      const float out = adamw_element(h, t.grad[i] * scale, t.param[i], mo, vo, nm[j], nv[j]);
+      t.param[i] = out;
+      if (t.stage) t.stage[i] = to_bf16(out);
+      am = std::max(am, std::fabs(nm[j]));
+      av = std::max(av, std::fabs(nv[j]));
+    }
+    q.scales[0][blk] = am;
+    q.scales[1][blk] = av;
+    for (int k = 0; k < 2; ++k) {
+      const float a = k == 0 ? am : av;
+      const float* x = k == 0 ? nm : nv;
+      uint8_t* c = k == 0 ? cm : cv;
+      for (int64_t j = 0; j < nb; ++j) {
+        const int code = find_code(f.mid[k], f.n_codes, a > 0.0f ? x[j] / a : 0.0f);
+        if (f.bits == 8) {
+          c[b0 + j] = static_cast<uint8_t>(code);
+        } else if (((b0 + j) & 1) == 0) {
+          c[(b0 + j) >> 1] = static_cast<uint8_t>(code);  // the high nibble follows (or stays 0)
+        } else {
+          c[(b0 + j) >> 1] |= static_cast<uint8_t>(code << 4);
+        }
+      }
+    }
   }
 }
 
@@ -112,32 +239,44 @@ int megatrain_adamw(int64_t n, float** params, const float** grads, float** exp_
   if (total == 0) return 0;
   constexpr int64_t kChunk = 1 << 18;  // 1 MiB of each fp32 array: long streams, many chunks per thread
   const int64_t chunks = (total + kChunk - 1) / kChunk;
-  const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, chunks)));
-  std::atomic<int64_t> next{0};
-  auto run = [&]() {
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
-      const int64_t lo = c * kChunk, hi = std::min(total, lo + kChunk);
-      // the first tensor that ends after lo
-      int64_t k = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
-      for (; k < n && starts[k] < hi; ++k) {
-        const int64_t a = std::max(lo, starts[k]), b = std::min(hi, starts[k + 1]);
-        if (a < b) update(ts[k], a - starts[k], b - starts[k], clip, maximize != 0);
-      }
+  return run_parallel(chunks, threads, [&](int64_t c) {
+    const int64_t lo = c * kChunk, hi = std::min(total, lo + kChunk);
+    // the first tensor that ends after lo
+    int64_t k = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
+    for (; k < n && starts[k] < hi; ++k) {
+      const int64_t a = std::max(lo, starts[k]), b = std::min(hi, starts[k + 1]);
+      if (a < b) update(ts[k], a - starts[k], b - starts[k], clip, maximize != 0);
     }
-  };
-  std::vector<std::thread> pool;
-  int status = 0;
-  for (int w = 1; w < workers; ++w) {
-    try {
-      pool.emplace_back(run);
-    } catch (...) {
-      status = -1;
-      break;
-    }
+  });
+}
+
+// The same update with compressed moments (see update_compressed): m_codes / v_codes point at each
+// tensor's codes (bf16 arrays for bits 16), m_scales / v_scales at its block scales. Work items
+// are chunks of whole blocks of one tensor. Returns as megatrain_adamw, or -2 for a bad format.
+int megatrain_adamw_compressed(int64_t n, float** params, const float** grads, void** m_codes, float** m_scales,
+                               void** v_codes, float** v_scales, uint16_t** stages, const int64_t* sizes,
+                               const float* decay, const float* lerp, const float* beta2, const float* sq_coef,
+                               const float* bc2_sqrt, const float* eps, const float* neg_step_size, int bits,
+                               int64_t block, const float* m_map, const float* m_mid, const float* v_map,
+                               const float* v_mid, float clip, int maximize, int threads) {
+  if (bits != 16 && bits != 8 && bits != 4) return -2;
+  if (bits != 16 && (block <= 0 || block > kMaxBlock || block % 2)) return -2;
+  const Format f{bits, bits == 16 ? int64_t{1} << 18 : block, bits == 4 ? 16 : 256, {m_map, v_map}, {m_mid, v_mid}};
+  std::vector<QTensor> qs(n);
+  struct Item { int64_t k, begin, end; };
+  std::vector<Item> items;
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 18) / f.block) * f.block;  // whole blocks
+  for (int64_t k = 0; k < n; ++k) {
+    qs[k] = QTensor{Tensor{params[k], grads[k], nullptr, nullptr, stages[k], sizes[k], decay[k], lerp[k], beta2[k],
+                           sq_coef[k], bc2_sqrt[k], eps[k], neg_step_size[k]},
+                    {m_codes[k], v_codes[k]}, {m_scales[k], v_scales[k]}};
+    for (int64_t lo = 0; lo < sizes[k]; lo += chunk) items.push_back(Item{k, lo, std::min(sizes[k], lo + chunk)});
   }
-  run();
-  for (auto& th : pool) th.join();
-  return status;
+  const float scale = maximize ? clip * -1.0f : clip;
+  return run_parallel(static_cast<int64_t>(items.size()), threads, [&](int64_t c) {
+    const Item& it = items[c];
+    update_compressed(qs[it.k], f, it.begin, it.end, scale);
+  });
 }
 
 }  // extern "C"

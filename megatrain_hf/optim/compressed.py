@@ -1,0 +1,80 @@
+"""HostAdamW's compressed moments: each unit's codes and scales, and one entry's view of them.
+
+A unit's state is a few contiguous named tensors (see ``quant.py``): ``<moment>.codes`` (uint8;
+bf16 for ``"bf16"``, named plain ``<moment>``) laid out like the master flat, and
+``<moment>.scales`` (fp32, one per block of each entry, entries in offset order). An
+:class:`EntryState` is one parameter's slices of them: what the kernels update in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..core.layout import Entry
+from .quant import MOMENTS, Format, compress, expand
+
+
+@dataclass
+class EntryState:
+    """One parameter's slices of its unit's compressed moments (``scales`` None for bf16)."""
+
+    numel: int
+    codes: tuple[torch.Tensor, torch.Tensor]  # (m's, v's)
+    scales: tuple[torch.Tensor | None, torch.Tensor | None]
+
+    def expand(self, fmt: Format, k: int) -> torch.Tensor:
+        return expand(fmt, k, self.codes[k], self.scales[k], self.numel)
+
+    def assign(self, fmt: Format, k: int, x: torch.Tensor) -> None:
+        compress(fmt, k, x.reshape(-1).to(torch.float32), self.codes[k], self.scales[k])
+
+
+def tensor_names(fmt: Format) -> list[str]:
+    """The names of a unit's state tensors in this format (the keys of its checkpoint file)."""
+    if not fmt.quantized:
+        return list(MOMENTS)
+    return [f"{m}.{part}" for m in MOMENTS for part in ("codes", "scales")]
+
+
+class CompressedMoments:
+    """The compressed moments of every unit an optimizer updates."""
+
+    def __init__(self, fmt: Format, entries: dict[int, list[Entry]], numels: dict[int, int],
+                 allocate: Callable[[int, torch.dtype], torch.Tensor]) -> None:
+        self.fmt = fmt
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
+        self.entries: dict[int, dict[int, EntryState]] = {}  # unit -> id(entry.tensor) -> its state
+        for u, unit_entries in entries.items():
+            ordered = sorted({id(e.tensor): e for e in unit_entries}.values(), key=lambda e: e.offset)
+            block_at, n_blocks = {}, 0
+            for e in ordered:
+                block_at[id(e.tensor)] = n_blocks
+                n_blocks += fmt.blocks(e.numel)
+            tensors = {}
+            for m in MOMENTS:
+                if fmt.quantized:
+                    tensors[f"{m}.codes"] = allocate(fmt.code_bytes(numels[u]), torch.uint8).zero_()
+                    tensors[f"{m}.scales"] = allocate(max(n_blocks, 1), torch.float32).zero_()
+                else:
+                    tensors[m] = allocate(numels[u], torch.bfloat16).zero_()
+            self.tensors[u] = tensors
+            self.entries[u] = {id(e.tensor): self._entry(tensors, e, block_at[id(e.tensor)]) for e in ordered}
+
+    def _entry(self, tensors: dict[str, torch.Tensor], e: Entry, block: int) -> EntryState:
+        fmt = self.fmt
+        if not fmt.quantized:
+            codes = tuple(tensors[m][e.offset : e.offset + e.numel] for m in MOMENTS)
+            return EntryState(e.numel, codes, (None, None))
+        start = e.offset if fmt.bits == 8 else e.offset // 2  # offsets are 16-element aligned
+        codes = tuple(tensors[f"{m}.codes"][start : start + fmt.code_bytes(e.numel)] for m in MOMENTS)
+        scales = tuple(tensors[f"{m}.scales"][block : block + fmt.blocks(e.numel)] for m in MOMENTS)
+        return EntryState(e.numel, codes, scales)
+
+    def of(self, u: int, e: Entry) -> EntryState:
+        return self.entries[u][id(e.tensor)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for unit in self.tensors.values() for t in unit.values())

@@ -1,0 +1,152 @@
+"""Training quality of the compressed AdamW moments: fp32 vs 8-bit vs 4-bit (and bf16) on real text.
+
+The corpus, tokenizer and model family are the demo's (examples/demo.py: the Python standard
+library's own code, docstrings and comments removed, every 20th file held out; a byte-level BPE of
+2,048 tokens; a Llama from a config). Each mode trains the same model from the same seed on the
+same batches through Trainer + MegaTrainPlugin(optimizer_state=mode), one subprocess per mode, all
+started at once; each logs the training loss every step and the held-out loss every
+``--eval_every`` steps. The parent writes a JSON of every curve and a chart (train and eval loss
+per mode) and prints the final eval losses relative to fp32.
+
+    nohup python scripts/optimizer_state_quality.py --out docs/results/optimizer-state-quality > q.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)  # this checkout's megatrain_hf, whatever is installed
+
+
+def run_mode(args) -> None:
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import torch
+    from common import quiet, tiny_llama, train_tokenizer
+    from demo import EVAL_BLOCKS, Blocks, stdlib_code
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from megatrain_hf import MegaTrainPlugin
+
+    quiet()
+    torch.set_num_threads(args.threads)
+    train_texts, eval_texts = stdlib_code(args.chars)
+    tokenizer = train_tokenizer(train_texts, vocab_size=2048)
+    train_set = Blocks(train_texts, tokenizer, args.seq)
+    eval_set = Blocks(eval_texts, tokenizer, args.seq, max_blocks=EVAL_BLOCKS)
+    model = tiny_llama(tokenizer, hidden=args.hidden, layers=args.layers, max_positions=args.seq)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    class Record(TrainerCallback):
+        def __init__(self):
+            self.train, self.eval, self.started = [], [], time.time()
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            logs = logs or {}
+            if "loss" in logs:
+                self.train.append([state.global_step, logs["loss"]])
+            if "eval_loss" in logs:
+                self.eval.append([state.global_step, logs["eval_loss"]])
+                print(f"{args.mode} step {state.global_step} eval {logs['eval_loss']:.4f} "
+                      f"({time.time() - self.started:.0f} s)", flush=True)
+
+    record = Record()
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.work, args.mode), max_steps=args.steps, per_device_train_batch_size=args.batch,
+        per_device_eval_batch_size=16, learning_rate=args.lr, warmup_steps=args.steps // 10,
+        lr_scheduler_type="cosine", weight_decay=0.1, max_grad_norm=1.0, logging_steps=1, eval_strategy="steps",
+        eval_steps=args.eval_every, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
+    plugin = MegaTrainPlugin(optimizer_state=args.mode, host_adamw_kernel="native", metrics="none")
+    trainer = Trainer(model=model, args=targs, train_dataset=train_set, eval_dataset=eval_set, callbacks=[plugin, record])
+    trainer.train()
+    if not record.eval or record.eval[-1][0] != args.steps:
+        trainer.evaluate()  # recorded by on_log
+    final = record.eval[-1][1]
+    out = {"mode": args.mode, "params": n_params, "train": record.train, "eval": record.eval, "final_eval": final,
+           "train_s": time.time() - record.started, "kernel": trainer.optimizer.optimizer.kernel}
+    with open(os.path.join(args.work, f"{args.mode}.json"), "w") as f:
+        json.dump(out, f)
+
+
+def plot(results: dict, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, r in results.items():
+        steps, losses = zip(*r["train"])
+        k = 10  # a running mean of the training loss over 10 steps
+        smooth = [sum(losses[max(0, i - k + 1): i + 1]) / len(losses[max(0, i - k + 1): i + 1]) for i in range(len(losses))]
+        axes[0].plot(steps, smooth, label=mode)
+        e_steps, e_losses = zip(*r["eval"])
+        axes[1].plot(e_steps, e_losses, marker="o", label=f"{mode} (final {r['final_eval']:.4f})")
+    axes[0].set_title("training loss (running mean of 10 steps)")
+    axes[1].set_title("held-out loss")
+    for ax in axes:
+        ax.set_xlabel("optimizer step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--modes", default="fp32,8bit,4bit")
+    parser.add_argument("--mode", help=argparse.SUPPRESS)  # a child: train this mode
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--eval_every", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--chars", type=int, default=3_000_000, help="characters of stdlib code in the corpus")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per mode's process")
+    parser.add_argument("--work", default="/tmp/optimizer-state-quality")
+    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "optimizer-state-quality"),
+                        help="prefix of the .json and .png written")
+    args = parser.parse_args()
+    if args.mode:
+        run_mode(args)
+        return
+    os.makedirs(args.work, exist_ok=True)
+    modes = args.modes.split(",")
+    started = time.time()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    child = [a for a in sys.argv[1:]]
+    procs = {m: subprocess.Popen([sys.executable, __file__, *child, "--mode", m]) for m in modes}
+    failed = [m for m, p in procs.items() if p.wait() != 0]
+    if failed:
+        raise SystemExit(f"modes {failed} failed")
+    results = {}
+    for m in modes:
+        with open(os.path.join(args.work, f"{m}.json")) as f:
+            results[m] = json.load(f)
+    n = results[modes[0]]["params"]
+    title = (f"llama {n / 1e6:.1f} M params, {args.steps} steps x {args.batch} x {args.seq} tokens, stdlib code "
+             f"(commit {commit}, 2-core CPU)")
+    summary = {"commit": commit, "command": " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
+               "wall_s": time.time() - started, "settings": vars(args), "results": results}
+    with open(args.out + ".json", "w") as f:
+        json.dump(summary, f, indent=1)
+    plot(results, args.out + ".png", title)
+    base = results.get("fp32", {}).get("final_eval")
+    for m, r in results.items():
+        rel = f" ({(r['final_eval'] / base - 1) * 100:+.2f} % vs fp32)" if base else ""
+        print(f"{m}: final eval loss {r['final_eval']:.4f}{rel}, {r['train_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
