@@ -121,7 +121,8 @@ class Engine:
         self.num_templates = len(templates)
         self.runner = UnitRunner(units, self.streamer, self.grads, self.stats, self.budget, device, dtype,
                                  INPUT_KWARGS, prepare_graph_call)
-        self.runner.tile_policy = self._tile_policy() if config.sequence_tile_tokens is not None else None
+        self.runner.tile_policy = activations.tile_policy(config.sequence_tile_tokens, torch.finfo(dtype).bits // 8,
+                                                          self.budget.budget)
         self.runner.checkpoint_interval = config.checkpoint_interval
         if config.offload_checkpoints is True:
             self._start_offload()
@@ -134,16 +135,6 @@ class Engine:
             len(units), self.num_templates, self.store.trainable_numel() / 1e6, self.store.host_bytes() / 2**30,
             str(dtype).replace("torch.", ""), device,
         )
-
-    def _tile_policy(self):
-        """``sequence_tile_tokens`` for the runner: (tokens, hidden, intermediate) -> tile or None."""
-        option, budget = self.config.sequence_tile_tokens, self.budget.budget
-        compute_bytes = torch.finfo(self.compute_dtype).bits // 8
-
-        def policy(tokens: int, hidden: int, intermediate: int) -> int | None:
-            return activations.resolve_tile(option, tokens, hidden, intermediate, compute_bytes, budget)
-
-        return policy
 
     @property
     def units(self) -> list[Unit]:
