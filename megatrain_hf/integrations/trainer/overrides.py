@@ -73,20 +73,24 @@ def _install_optimizer(patcher: Patcher, plugin, trainer) -> None:
 
 
 def _check_compressible(config, optimizer: torch.optim.Optimizer, kept: bool) -> None:
-    """Compressed moments exist only in HostAdamW: refuse a setup where it would not run."""
+    """Compressed moments and the disk tier exist only in HostAdamW: refuse a setup where it would not run."""
     state = config.optimizer_state
-    if state == "fp32":
+    wants = [f"optimizer_state={state!r}"] if state != "fp32" else []
+    if config.offload_dir is not None:
+        wants.append(f"offload_dir={config.offload_dir!r}")
+    if not wants:
         return
     if not convertible(optimizer) or not config.replace_adamw or kept:
         why = (f"the optimizer is {type(optimizer).__name__}" if not convertible(optimizer) else
                "replace_adamw=False keeps torch's AdamW" if not config.replace_adamw else
                "an optimizer passed with its scheduler in Trainer(optimizers=(opt, sched)) is kept as it is")
         raise ValueError(
-            f"megatrain: optimizer_state={state!r} compresses the moments of megatrain's HostAdamW, but {why}. "
+            f"megatrain: {' and '.join(wants)} applies to the moments of megatrain's HostAdamW, but {why}. "
             "Fix: train with AdamW (optim='adamw_torch_fused', the default, or 'adamw_torch'; no scheduler in "
-            "optimizers=) and replace_adamw=True, or set optimizer_state='fp32'."
+            "optimizers=) and replace_adamw=True, or leave " + " and ".join(w.split("=")[0] for w in wants)
+            + " at its default."
         )
-    if config.device_update:
+    if config.device_update and state != "fp32":
         raise ValueError(
             f"megatrain: optimizer_state={state!r} cannot be combined with device_update=True (the device's "
             "share updates fp32 moments). Fix: set device_update=False or optimizer_state='fp32'."
