@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--modes", default="fp32,bf16,8bit,4bit")
+    parser.add_argument("--kernels", default="native,torch")
     parser.add_argument("--bnb", default=None, help="a --target directory holding bitsandbytes")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -95,7 +96,7 @@ def main() -> None:
     lib = native.host_adamw()
     rows = []
     for mode in args.modes.split(","):
-        for kernel in ("native", "torch"):
+        for kernel in args.kernels.split(","):
             if kernel == "native" and lib is None:
                 continue
             w, stages = work(mode, sizes)
