@@ -26,6 +26,7 @@ _LAZY = {
     "HostAdamW": "megatrain_hf.optim.host_adamw",
     "register_family": "megatrain_hf.hf.families",
     "from_pretrained": "megatrain_hf.hf.loading",
+    "from_config": "megatrain_hf.hf.random_init",
 }
 
 __all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "load", "__version__", *_LAZY]

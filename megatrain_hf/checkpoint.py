@@ -144,33 +144,37 @@ def _layout(optimizer, u: int) -> dict[str, list]:
 
 # ---------------------------------------------------------------------------------- save / load
 def save_optimizer(optimizer, folder: str) -> None:
-    """Write ``optimizer``'s (a HostAdamW) state into ``folder``, one safetensors file per unit."""
-    from safetensors.torch import save_file
+    """Write ``optimizer``'s (a HostAdamW) state into ``folder``, one safetensors file per unit.
 
+    Under data parallelism each rank writes the files of the units it owns (every file names all
+    units), so the folder is complete once every rank wrote, and loads on any number of ranks."""
     optimizer.synchronize()
     os.makedirs(folder, exist_ok=True)
     hyper = json.dumps(_encode(_hyper(optimizer)))
-    units = list(optimizer._plan)
-    for u in units:
-        if optimizer.moments is None:
-            tensors = {"exp_avg": optimizer._exp_avg[u], "exp_avg_sq": optimizer._exp_avg_sq[u]}
-        else:
-            tensors = dict(optimizer.moments.tensors[u])
-        metadata = {
-            "format": FORMAT,
-            "optimizer_state": optimizer.format.mode,
-            "unit": str(u),
-            "unit_name": optimizer.store.names[u],
-            "units": json.dumps(units),
-            "numel": str(optimizer.store.buffers[u].master_host.numel()),
-            "steps": json.dumps(
-                {str(gi): [float(step) for step in optimizer._steps[(u, gi)]] for gi in optimizer._plan[u]}
-            ),
-            "layout": json.dumps(_layout(optimizer, u)),
-            "param_groups": hyper,
-        }
-        atomic_write(unit_file(folder, u), lambda tmp, t=tensors, m=metadata: save_file(t, tmp, metadata=m))
+    units = list(optimizer.all_units)
+    for u in optimizer._plan:
+        with optimizer.unit_state(u) as tensors:  # paged in from the disk tier when it is there
+            _save_unit(optimizer, folder, u, units, hyper, dict(tensors))
     fsync_path(folder)
+
+
+def _save_unit(optimizer, folder: str, u: int, units: list[int], hyper: str, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    metadata = {
+        "format": FORMAT,
+        "optimizer_state": optimizer.format.mode,
+        "unit": str(u),
+        "unit_name": optimizer.store.names[u],
+        "units": json.dumps(units),
+        "numel": str(optimizer.store.buffers[u].master_host.numel()),
+        "steps": json.dumps(
+            {str(gi): [float(step) for step in optimizer._steps[(u, gi)]] for gi in optimizer._plan[u]}
+        ),
+        "layout": json.dumps(_layout(optimizer, u)),
+        "param_groups": hyper,
+    }
+    atomic_write(unit_file(folder, u), lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def _read_headers(folder: str, expected_units: list[int] | None) -> dict[int, dict]:
@@ -212,12 +216,13 @@ def _read_headers(folder: str, expected_units: list[int] | None) -> dict[int, di
 
 
 def load_optimizer(optimizer, folder: str) -> None:
-    """Load a folder written by :func:`save_optimizer` into ``optimizer`` (a HostAdamW), in place."""
+    """Load a folder written by :func:`save_optimizer` into ``optimizer`` (a HostAdamW), in place
+    (under data parallelism: the units this rank owns, whatever the world size that wrote it)."""
     from safetensors import safe_open
 
     optimizer.synchronize()
-    units = list(optimizer._plan)
-    headers = _read_headers(folder, units)
+    units = list(optimizer.all_units)
+    headers = {u: meta for u, meta in _read_headers(folder, units).items() if u in optimizer._plan}
     mode = optimizer.format.mode
     for u, meta in headers.items():  # validate everything before changing anything
         saved_mode = meta.get("optimizer_state", "fp32")
@@ -234,20 +239,18 @@ def load_optimizer(optimizer, folder: str) -> None:
                 f"unit {optimizer.store.names[u]} of this model ({meta['numel']} vs {numel} elements, or other "
                 "shapes/groups): the checkpoint belongs to another model or another set of trainable parameters."
             )
-    saved_groups = _decode(json.loads(headers[units[0]]["param_groups"]))
+    first = json.loads(next(iter(headers.values()))["param_groups"]) if headers else None
+    saved_groups = _decode(first) if first is not None else [
+        {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
             f"the sharded optimizer checkpoint {folder} has {len(saved_groups)} param groups, the optimizer "
             f"{len(optimizer.param_groups)}"
         )
     for u, meta in headers.items():
-        with safe_open(unit_file(folder, u), framework="pt") as f:
-            if optimizer.moments is None:
-                optimizer._exp_avg[u].copy_(f.get_tensor("exp_avg"))
-                optimizer._exp_avg_sq[u].copy_(f.get_tensor("exp_avg_sq"))
-            else:
-                for name, tensor in optimizer.moments.tensors[u].items():
-                    tensor.copy_(f.get_tensor(name))
+        with safe_open(unit_file(folder, u), framework="pt") as f, optimizer.unit_state(u, write=True) as tensors:
+            for name, tensor in tensors.items():  # exp_avg / exp_avg_sq, or the compressed codes and scales
+                tensor.copy_(f.get_tensor(name))
         for gi, saved in json.loads(meta["steps"]).items():
             counters = optimizer._steps[(u, int(gi))]
             saved = saved if isinstance(saved, list) else [saved] * len(counters)  # one value per group

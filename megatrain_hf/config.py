@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Union
 
 import torch
 
-from .hf.options import LossOptions
+from .hf.options import LossOptions, QuantOptions
 from .memory.options import MemoryOptions
 from .optim.options import OptimizerOptions
 from .runtime.options import RuntimeOptions
@@ -49,6 +49,11 @@ def _check_threads(name: str, value) -> None:
         raise ValueError(f"MegaTrainConfig.{name}={value!r}; allowed: None (all CPUs) or an int >= 1.")
 
 
+def _check_timeout(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"MegaTrainConfig.{name}={value!r}; allowed: a number of seconds > 0, e.g. 300.")
+
+
 @dataclass(kw_only=True)
 class EngineOptions:
     device: Annotated[str | None, _check_device] = None
@@ -66,6 +71,17 @@ class EngineOptions:
     CPU this process may run on. Containers often set OMP_NUM_THREADS=1, which would make the
     update several times slower; the engine raises torch's thread count to this value and logs it."""
 
+    data_parallel: bool | Literal["auto"] = "auto"
+    """Data parallelism over `torch.distributed` ranks (`torchrun`, `accelerate launch
+    --num_processes N`): each unit's masters, gradient and AdamW state live on one owner rank (unit
+    index modulo the world size), the weights are broadcast from it for each fetch and the gradients
+    summed into it ([distributed](distributed.md)). `"auto"`: on when torch.distributed runs with
+    more than one rank; `True` refuses to run without; `False`: every rank trains alone."""
+
+    collective_timeout_s: Annotated[int | float, _check_timeout] = 300
+    """Seconds a rank waits in one of megatrain's collectives (a weight broadcast, a gradient reduce)
+    before it raises naming the unit: a peer that died or hangs stops every rank within this."""
+
     metrics: Literal["basic", "all", "none"] = "basic"
     """`megatrain/*` metrics added to Trainer's training logs (console, TensorBoard, W&B; not to the
     `trainer_state.json` of checkpoints): `"basic"` -- tokens/s, TFLOPS, the exposed waits, host
@@ -73,7 +89,7 @@ class EngineOptions:
 
 
 @dataclass(kw_only=True)
-class MegaTrainConfig(OptimizerOptions, MemoryOptions, LossOptions, RuntimeOptions, EngineOptions):
+class MegaTrainConfig(OptimizerOptions, MemoryOptions, QuantOptions, LossOptions, RuntimeOptions, EngineOptions):
     """Configuration of the megatrain engine.
 
     Example::

@@ -27,10 +27,11 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import MegaTrainConfig
-from .core.grads import GradSink
+from .core.grads import MAX_PENDING_SENDS, GradSink
 from .core.layout import Kind
 from .core.offload import CheckpointOffload
 from .core.patcher import Patcher
+from .core.sharding import sharding_from_env
 from .core.store import HostStore
 from .core.streamer import Streamer
 from .core.streams import streams_for
@@ -39,8 +40,11 @@ from .hf.checks import check_coverage, check_fp32, prepare_graph_call
 from .hf.families import INPUT_KWARGS, family_of, unwrap
 from .hf.install import install_model
 from .hf.loading import deferred_weights
+from .hf.quantize import quantized_weights
 from .memory.budget import GpuBudget
+from .memory import activations
 from .memory import host as host_memory
+from .memory.disk import admit_tiers
 from .memory.host import DEFAULT_HEADROOM_BYTES
 from .runtime import layer_major
 from .runtime.streamed_call import Unit, UnitRunner
@@ -62,20 +66,37 @@ class Engine:
         located = self.family.locate(model)
         check_coverage(model, located)
         named = list(zip(located.names, located.modules))
-        staging = config.host_staging is not False
-        if config.check_host_memory:
-            moments = config.optimizer_state if config.replace_adamw else False
-            staging = host_memory.admit(named, located.embedding_units, dtype, config.host_staging, moments,
-                                        frozen_in_wire_dtype)
+        deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
+        schemes = quantized_weights(model, config.base_quantization,
+                                    deferred.stored_schemes(model) if deferred is not None else None)
+        quantize = (lambda p: schemes.get(id(p))) if schemes else None
+        if config.offload_dir is not None and config.device_update:
+            raise ValueError(f"MegaTrainConfig(offload_dir={config.offload_dir!r}) does not combine with "
+                             "device_update=True (the device's share would keep the moments it pages on the GPU). "
+                             "Fix: leave device_update off, or offload_dir unset.")
+        moments = config.optimizer_state if config.replace_adamw else False
+        staging, self.state_tier = admit_tiers(named, located.embedding_units, dtype, config.host_staging,
+                                               moments, frozen_in_wire_dtype, config.offload_dir,
+                                               config.offload_state, config.check_host_memory, quantize)
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
-        deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
+        self.sharding = sharding_from_env(len(named), config.data_parallel, config.collective_timeout_s)
+        if self.sharding is not None and config.device_update:
+            raise ValueError("megatrain: device_update=True is not supported under data parallelism (the GPU "
+                             "share of the update does not know the unit owners). Fix: device_update=False, or "
+                             "data_parallel=False to train each rank alone.")
+        # receive slots (data parallelism): on CUDA the unit computing + the prefetched one + one
+        # spare, and a gradient slot per send in flight; on the CPU one of each
+        slots = (3, MAX_PENDING_SENDS + 2) if (streams is not None or device.type == "cuda") else (1, 1)
         try:
             self.store = HostStore(named, compute_dtype=dtype, pin=config.resolve_pin(device),
                                    embedding_units=located.embedding_units, staging=staging,
                                    frozen_in_wire_dtype=frozen_in_wire_dtype,
-                                   sources=deferred.source if deferred is not None else None)
+                                   sources=deferred.source if deferred is not None else None, quantize=quantize,
+                                   ranges=deferred.ranges if deferred is not None else None,
+                                   stored_quantized=deferred.quantized_source if deferred is not None else None,
+                                   sharding=self.sharding, slots=slots)
         finally:
             if deferred is not None:
                 deferred.close()
@@ -99,6 +120,8 @@ class Engine:
         self.num_templates = len(templates)
         self.runner = UnitRunner(units, self.streamer, self.grads, self.stats, self.budget, device, dtype,
                                  INPUT_KWARGS, prepare_graph_call)
+        self.runner.tile_policy = self._tile_policy() if config.sequence_tile_tokens is not None else None
+        self.runner.checkpoint_interval = config.checkpoint_interval
         if config.offload_checkpoints is True:
             self._start_offload()
         self._set_flops_model(model, located)
@@ -110,6 +133,16 @@ class Engine:
             len(units), self.num_templates, self.store.trainable_numel() / 1e6, self.store.host_bytes() / 2**30,
             str(dtype).replace("torch.", ""), device,
         )
+
+    def _tile_policy(self):
+        """``sequence_tile_tokens`` for the runner: (tokens, hidden, intermediate) -> tile or None."""
+        option, budget = self.config.sequence_tile_tokens, self.budget.budget
+        compute_bytes = torch.finfo(self.compute_dtype).bits // 8
+
+        def policy(tokens: int, hidden: int, intermediate: int) -> int | None:
+            return activations.resolve_tile(option, tokens, hidden, intermediate, compute_bytes, budget)
+
+        return policy
 
     @property
     def units(self) -> list[Unit]:

@@ -36,6 +36,7 @@ class EngineStats:
 
     forward_units: int = 0
     backward_units: int = 0
+    tiled_calls: int = 0  # unit computes (forwards and recomputes) whose MLP ran over sequence tiles
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     tokens: int = 0  # token ids entering the embedding in training calls
@@ -49,6 +50,7 @@ class EngineStats:
     fetches_not_ready: int = 0  # ... whose upload had not landed when the compute needed it
     update_h2d_bytes: int = 0  # optimizer state the device's share of the update moved (device_update)
     update_d2h_bytes: int = 0
+    dequantized_bytes: int = 0  # compute-dtype bytes of quantized base weights dequantized on the device
 
     def __post_init__(self) -> None:
         self._flops_model: tuple[int, int, int, int, int] | None = None
@@ -104,6 +106,12 @@ class Metrics:
         if skipped_steps or full:
             out["megatrain/skipped_steps"] = float(skipped_steps)
         out["megatrain/host_rss_GiB"] = psutil.Process().memory_info().rss / 2**30
+        tier = getattr(optimizer, "disk_tier", None)  # HostAdamW's moments on disk (offload_dir)
+        if tier is not None:
+            read, written = tier.take_io_stats()
+            out["megatrain/disk_GB"] = (read + written) / 1e9
+            if self._last is not None:
+                out["megatrain/disk_GBps"] = (read + written) / 1e9 / max(now - self._last, 1e-9)
         if cuda:
             out["megatrain/gpu_peak_allocated_GiB"] = engine.budget.peak_allocated() / 2**30
             out["megatrain/gpu_peak_reserved_GiB"] = engine.budget.peak_reserved() / 2**30

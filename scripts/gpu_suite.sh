@@ -40,7 +40,29 @@
 #                         megatrain and plain, 2.2 s/step each                           ~115 s
 #   7b                    7 B (Llama-2 shape), 8 x 8K (seq 4096 x mb 2 x ga 8), 3 warm-up + 4 measured:
 #                         megatrain, 8.7 s/step, fixed ~75 s                             ~165 s
+#   qlora-70b             Llama-70B shape, LoRA r=16 on an NF4 base, max_gpu_memory=24GiB, seq 2048 x ga 2,
+#                         1 warm-up + 2 measured; the base is drawn and quantized at attach (never fp32):
+#                         not measured before, build ~200-300 s guessed                 ~450 s
 #   probe                 host update/copy-engine probe (scripts/host_probe.py)          ~20 s
+#   disk-13b              the disk tier (offload_dir=DISK_DIR, default /tmp/megatrain-disk, on the local
+#                         disk): raw rates (scripts/disk_rates.py, 8 GiB), the estimate, then a full
+#                         fine-tune of the Llama-2-13B shape (hidden 5120, fp32 masters, no host staging)
+#                         at 64K tokens/step (seq 4096 x mb 1 x ga 16), 1 warm-up + 1 measured step,
+#                         as many of its 40 layers as RAM + free disk hold (the estimate's largest depth:
+#                         all 40 need ~194 GiB of fp32 state, more than 125 GiB RAM + 64 GiB disk)
+#                         not measured yet: ~60 s rates + ~110 s build + 3 x ~60 s/step   ~350 s
+#   dp-7b                 data parallelism (docs/distributed.md), on a machine with >= 2 GPUs (nvidia-h200-x2):
+#                         7 B (Llama-2 shape) at the same tokens per GPU (seq 4096 x mb 2 x ga 4, 32K per GPU
+#                         and step), 4 steps, scripts/gpu_train.py under torchrun on 1 and on 2 GPUs; not
+#                         measured before: ~75 s fixed + 4 x ~5 s per run on 1 GPU, the 2-GPU run guessed
+#                         at twice that (every weight broadcast over gloo)                ~300 s
+#   longctx               7 B (Llama-2 shape, 6.74 B) at 64K and 128K tokens per sequence, one sequence a
+#                         step, 1 warm-up + 2 measured, sequence_tile_tokens "auto" (the default), checkpoints
+#                         on the GPU (what `megatrain estimate --gpu-gib 139 --host-gib 125` places there):
+#                         ~30 s and ~70 s a step by the attention FLOPs, fixed ~75 s each   ~450 s
+#   longctx-more          the same at 256K with checkpoint_interval=2 (the plan's placement), 1 measured
+#                         step (~250 s by the FLOPs); 512K does not fit 139 GiB by the plan (estimate says
+#                         so) and would take ~1000 s a step                               ~400 s
 #   NAME (letters, digits, _) with BENCH_ARGS_NAME set: `megatrain bench $BENCH_ARGS_NAME`, megatrain's
 #                         options from CONFIG_NAME (JSON), earlier results in out/NAME merged (--merge)
 # The DeepSpeed warm-up is 8 steps at 16K: with 2, its measured steps still got faster
@@ -68,10 +90,23 @@ ARGS[baselines-16k-more]="$B16 --systems deepspeed_offloadpp,deepspeed_zenflow,f
 ARGS[baselines-4x16k]="$B64 --systems megatrain,deepspeed,plain --timeout 300"
 ARGS[baselines-4x16k-more]="$B64 --systems deepspeed_zero2,deepspeed_offloadpp,fsdp2 --timeout 300"
 ARGS[1.36b]="--model llama-1.36b --seq-len 2048 --micro-batch 8 --grad-accum 4 --warmup-steps 4 --steps 6 --systems megatrain,plain --timeout 200"
+# soak: 500 steps at 8K tokens each; every step records host RSS and CUDA memory (flat or not)
+ARGS[soak]="--model llama-1.36b --seq-len 4096 --micro-batch 2 --grad-accum 1 --warmup-steps 5 --steps 500 --systems megatrain --timeout 540"
+LC="--model llama-7b --micro-batch 1 --grad-accum 1 --systems megatrain"
+ARGS[longctx-64k]="$LC --seq-len 65536 --warmup-steps 1 --steps 2 --timeout 280"
+ARGS[longctx-128k]="$LC --seq-len 131072 --warmup-steps 1 --steps 2 --timeout 420"
+ARGS[longctx-256k]="$LC --seq-len 262144 --warmup-steps 0 --steps 1 --timeout 560"
+# Llama-2-70B shape, LoRA r=16 on every linear over an NF4 base, a 24 GiB GPU budget (docs/qlora.md):
+# `megatrain estimate --model llama-70b --lora-rank 16 --base-quantization nf4 --seq-len 2048 --grad-accum 2
+# --host-gib 125` plans 37.4 GiB of host RAM and 16.8 GiB of GPU (checkpoints on the GPU: 10.3 GiB)
+ARGS[qlora-70b]="--model llama-70b --seq-len 2048 --micro-batch 1 --grad-accum 2 --warmup-steps 1 --steps 2 --systems megatrain --lora-rank 16 --base-quantization nf4 --timeout 560"
+CONFIG_QLORA='{"max_gpu_memory": "24GiB"}'
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
 EST=([tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
-     [1.36b]=115 [7b]=165 [probe]=20)
-ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b probe"
+     [1.36b]=115 [7b]=165 [soak]=330 [qlora-70b]=450 [probe]=20 [disk-13b]=350 [dp-7b]=300 [longctx]=450 [longctx-more]=400)
+ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak qlora-70b probe disk-13b dp-7b longctx longctx-more"
+D13="--model llama-13b --seq-len 4096 --micro-batch 1 --grad-accum 16"
+DP7B="--system megatrain --hidden 4096 --intermediate 11008 --layers 32 --heads 32 --seq 4096 --micro-batch 2 --grad-accum 4 --steps 4"
 
 DRY=${DRY_RUN:-}
 [ "$DRY" = 0 ] && DRY=
@@ -156,8 +191,38 @@ for stage in "${stages[@]}"; do
     probe)
       run "$R/probe.log" timeout "$(left 120)" python3 scripts/host_probe.py
       rc=$?; [ -z "$DRY" ] && summary "probe rc=$rc $(tail -12 "$R/probe.log")";;
-    baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b)
+    disk-13b)
+      D=${DISK_DIR:-/tmp/megatrain-disk}; [ -z "$DRY" ] && mkdir -p "$D"
+      run "$R/disk-rates.log" timeout "$(left 150)" python3 scripts/disk_rates.py --dir "$D" --gib 8 --threads 4 8
+      [ -z "$DRY" ] && summary "disk rates rc=$? $(tail -4 "$R/disk-rates.log" | tr -d '\n ')"
+      # shellcheck disable=SC2086  # D13 are words
+      run "$R/disk-13b-estimate.json" python3 -m megatrain_hf.cli estimate $D13 --no-host-staging --offload-dir "$D" --json
+      layers=40  # under --dry-run the shape's own depth; a real run takes the estimate's
+      [ -z "$DRY" ] && layers=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['disk_tier']['max_layers'])" \
+        "$R/disk-13b-estimate.json") && summary "disk-13b: the estimate's largest depth: $layers layers"
+      bench_stage disk-13b "$D13 --layers $layers --warmup-steps 1 --steps 1 --systems megatrain --timeout 480 --dtype bf16 --device cuda" \
+        "{\"offload_dir\": \"$D\", \"host_staging\": false}"
+      [ -z "$DRY" ] && rm -rf "$D";;
+    dp-7b)
+      [ -z "$DRY" ] && mkdir -p "$R/dp-7b"
+      for n in 1 2; do
+        # shellcheck disable=SC2086  # DP7B are words
+        run "$R/dp-7b/gpus$n.log" env -u MEGATRAIN_CONFIG timeout "$(left 280)" torchrun --nproc_per_node "$n" \
+          --master_port $(( 29500 + n )) scripts/gpu_train.py $DP7B --out "$R/dp-7b/gpus$n.json"
+        rc=$?; [ -z "$DRY" ] && summary "dp-7b gpus=$n rc=$rc $(tail -1 "$R/dp-7b/gpus$n.log" | cut -c1-400)"
+        [ -z "$DRY" ] && [ -f "$R/dp-7b/gpus$n.json" ] && cp "$R/dp-7b/gpus$n.json" "$OUT/dp-7b-gpus$n-$C.json"
+      done;;
+    baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b|soak)
       bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda";;
+    qlora-70b)
+      bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda" "$CONFIG_QLORA";;
+    longctx)
+      for part in longctx-64k longctx-128k; do
+        bench_stage "$part" "${ARGS[$part]} --dtype bf16 --device cuda" '{"sequence_tile_tokens": "auto"}'
+      done;;
+    longctx-more)
+      bench_stage longctx-256k "${ARGS[longctx-256k]} --dtype bf16 --device cuda" \
+        '{"sequence_tile_tokens": "auto", "checkpoint_interval": 2}';;
     *)
       var="BENCH_ARGS_${stage}" cfg="CONFIG_${stage}"
       if [[ ! $stage =~ ^[A-Za-z0-9_]+$ ]] || [ -z "${!var:-}" ]; then

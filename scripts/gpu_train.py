@@ -5,6 +5,10 @@ with the plugin"). Writes one JSON with per-step wall times, losses, tokens/s, G
 
     python scripts/gpu_train.py --system megatrain --hidden 2048 --intermediate 5632 --layers 24 \
         --heads 16 --seq 2048 --micro-batch 8 --steps 20 --out result.json
+
+Under ``torchrun --nproc_per_node N`` (megatrain's data parallelism, docs/distributed.md) every rank
+trains ``--micro-batch`` sequences per micro-batch (the same tokens per GPU as one process); rank 0
+writes the JSON, with ``world_size``, the global ``tokens_per_s`` and every rank's host peak RSS.
 """
 
 import argparse
@@ -78,14 +82,27 @@ def main():
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
     times = callbacks[0].times
-    tokens = a.seq * a.micro_batch * a.grad_accum
+    world = args.world_size
+    tokens = a.seq * a.micro_batch * a.grad_accum * world  # the global batch
     steady = sorted(times[2:]) or times
     med = steady[len(steady) // 2]
     flops = 6 * n_params * tokens + 12 * a.layers * a.hidden * a.seq * tokens
+    rss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20])
+    if world > 1:
+        import torch.distributed as dist
+
+        every = [torch.zeros(1, device=args.device) for _ in range(world)]
+        dist.all_gather(every, rss.to(args.device))  # (the default group: NCCL on GPUs)
+        rss_ranks = [float(t) for t in every]
+    else:
+        rss_ranks = [float(rss)]
+    if args.process_index != 0:
+        return
     out = {
-        "system": a.system, "params": n_params, "build_s": build_s, "tokens_per_step": tokens,
+        "system": a.system, "world_size": world, "params": n_params, "build_s": build_s, "tokens_per_step": tokens,
+        "host_peak_rss_GiB_per_rank": rss_ranks,
         "step_times": times, "median_step_s": med, "tokens_per_s": tokens / med,
-        "tflops": flops / med / 1e12, "gpu_peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
+        "tflops": flops / med / 1e12, "tflops_per_gpu": flops / med / 1e12 / world, "gpu_peak_GiB": torch.cuda.max_memory_allocated() / 2**30,
         "host_peak_rss_GiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "log_history": trainer.state.log_history,

@@ -77,6 +77,7 @@ def test_plain_ran_and_measured(bench):
     assert plain["measured_steps"] == 2 and len(plain["steps"]) == 3  # warmup step kept raw, not measured
     assert plain["step_times_s"] == [s["total_s"] for s in plain["steps"][1:]]
     assert plain["warmup_step_times_s"] == [plain["steps"][0]["total_s"]]
+    assert all(s["host_rss_gib"] > 0.05 and "gpu_allocated_gib" not in s for s in plain["steps"])  # per step
     assert plain["trend"]["measured_steps"] == 2 and plain["trend"]["assessed"] is False
     tokens = report["workload"]["tokens_per_step"]
     assert plain["tflops"] == pytest.approx(model_flops_per_token(PRESETS["tiny"], 32) * tokens
@@ -430,21 +431,34 @@ def test_gpu_suite_dry_run_commands_parse():
                           env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     commands = [shlex.split(line[len("DRY:"):]) for line in done.stdout.splitlines() if line.startswith("DRY:")]
-    assert len(commands) == len(stages)
+    parts = {"longctx": ["longctx-64k", "longctx-128k"], "longctx-more": ["longctx-256k"]}  # several benches
+    # dp-7b: one run on 1 GPU, one on 2; disk-13b: the raw disk rates and the estimate before its bench
+    assert len(commands) == len(stages) + 1 + 2 + sum(len(p) - 1 for p in parts.values())
+    dp = [w for w in commands if "scripts/gpu_train.py" in w]
+    assert [w[w.index("--nproc_per_node") + 1] for w in dp] == ["1", "2"]
+    assert all(w[w.index("--micro-batch") + 1] == "2" and w[w.index("--hidden") + 1] == "4096" for w in dp)
     benches = {}
     for words in commands:
-        if "megatrain_hf.cli" not in words:
+        if "megatrain_hf.cli" not in words or "bench" not in words:
             continue
         argv = words[words.index("bench") + 1:]
         args = build_parser().parse_args(argv)
         stage = Path(args.out).name
         assert Path(args.out).parent.name == "abc1234"  # named with the commit
-        assert words[:3] == ["env", "-u", "MEGATRAIN_CONFIG"]  # megatrain's defaults in the comparisons
+        if stage == "disk-13b":  # megatrain alone, with the disk tier
+            assert json.loads(words[1].split("=", 1)[1])["offload_dir"] and args.systems == "megatrain"
+        elif stage == "qlora-70b":  # its own options, not the caller's
+            assert words[:2] == ["env", 'MEGATRAIN_CONFIG={"max_gpu_memory": "24GiB"}'] and args.lora_rank == 16
+        elif stage.startswith("longctx"):  # megatrain alone, with its long-context options
+            assert words[1].startswith("MEGATRAIN_CONFIG=") and json.loads(words[1].split("=", 1)[1])
+            assert args.model == "llama-7b" and args.seq_len >= 65536 and args.systems == "megatrain"
+        else:
+            assert words[:3] == ["env", "-u", "MEGATRAIN_CONFIG"]  # megatrain's defaults in the comparisons
         for system in parse_systems(args.systems):
             check_workload(system, args.grad_accum)
         assert args.budget_s is not None and args.device == "cuda" and args.dtype == "bf16"
         benches[stage] = args
-    assert set(benches) == set(stages) - {"tests", "probe"}
+    assert set(benches) == (set(stages) - {"tests", "probe", "dp-7b", *parts}) | {p for ps in parts.values() for p in ps}
     sixteen = benches["baselines-16k"]
     assert (sixteen.model, sixteen.seq_len * sixteen.micro_batch * sixteen.grad_accum) == ("llama-3.14b", 16384)
     assert sixteen.warmup_steps >= 8 and "deepspeed" in sixteen.systems

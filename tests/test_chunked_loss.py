@@ -161,3 +161,34 @@ def test_unknown_logit_post_processing_keeps_hf_loss(monkeypatch, caplog):
         engine = attach(model, MegaTrainConfig(chunked_loss=True), device="cpu")
     assert not engine.chunked_loss_active and "not known to compute its logits" in caplog.text
     assert model(**_batch()).logits is not None
+
+
+def test_chunked_loss_peak_is_bounded_by_the_chunk():
+    """Forward + backward of the head kernel: the CPU tensor peak (torch's memory profiler) stays
+    within a few chunks' logits whatever the token count, far below the full logits, which one
+    chunk of every token does reach."""
+    from megatrain_hf.bench.cpu_memory import peak_tensor_bytes
+    from megatrain_hf.hf.chunked_loss import ChunkedLMLoss
+
+    hidden, vocab, chunk = 32, 4096, 256
+    weight = (torch.randn(vocab, hidden) * 0.05).requires_grad_()
+
+    def peak(tokens: int, chunk_tokens: int) -> int:
+        x = torch.randn(tokens, hidden, requires_grad=True)
+        labels = torch.randint(0, vocab, (tokens,))
+        kernel = ChunkedLMLoss(labels=labels, denominator=None, ignore_index=-100, softcap=None,
+                               chunk_tokens=chunk_tokens)
+
+        def step():
+            with torch.no_grad():
+                kernel.forward(x, {"weight": weight})
+            kernel.backward(x, {"weight": weight}, ["weight"], torch.ones(()))
+
+        return peak_tensor_bytes(step)
+
+    chunk_logits = chunk * vocab * 4
+    fixed = 2 * 8192 * hidden * 4 + 2 * vocab * hidden * 4  # grad of the hidden states, the weight's sum
+    short, long = peak(2048, chunk), peak(8192, chunk)
+    assert long <= fixed + 4 * chunk_logits, (long, chunk_logits)
+    assert long - short <= 3 * 8192 * hidden * 4  # grows with the hidden states only, not the logits
+    assert peak(8192, 8192) >= 8192 * vocab * 4  # unchunked: the full fp32 logits exist

@@ -2,7 +2,8 @@
 
 mt.Trainer trains like plain Trainer (fp32 CPU parity, 1e-6) with megatrain attached and HostAdamW;
 init() enables the config for every Trainer, maps max_vram_gb to max_gpu_memory, refuses unknown
-options, maps optimizer_compression to optimizer_state and says offload_dir is not available; `import megatrain_hf`
+options, maps optimizer_compression to optimizer_state and offload_dir to the disk tier (refusing one that does
+not exist); `import megatrain_hf`
 loads neither transformers nor the Trainer integration.
 """
 
@@ -85,7 +86,7 @@ def test_the_seed_example_runs_from_a_deferred_model(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"offload_dir": "/mnt/nvme/cache"}, r"offload_dir='/mnt/nvme/cache'\): a disk tier .* is not available"),
+    ({"offload_dir": "/mnt/nvme/cache-missing"}, r"offload_dir='/mnt/nvme/cache-missing' does not exist. Fix"),
     ({"optimizer_compression": "2bit"}, r"optimizer_compression='2bit'\): allowed: True .* '4bit'"),
     ({"optimizer_compression": True, "optimizer_state": "4bit"}, "set the same thing; pass one"),
     ({"max_vram_gb": 0}, r"max_vram_gb=0\): must be a number of GB > 0"),

@@ -24,6 +24,7 @@ import megatrain_hf
 from helpers import assert_close_losses, assert_close_params, state_of, tiny_model, train, training_args
 from megatrain_hf import MegaTrainPlugin, engine_of
 from megatrain_hf.hf.loading import deferred_weights
+from megatrain_hf.core.quant import QuantWork
 from megatrain_hf.hf.shards import CHUNK_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +32,8 @@ SCRIPT = ROOT / "tests" / "scripts" / "load_rss.py"
 RSS_CONSTANT = CHUNK_BYTES + (16 << 20)
 """What loading may add to the host plan: the bounce buffer of casting reads, and 16 MiB for the
 Python objects of the model, the engine and the allocator's slack (measured: 2-3 MiB)."""
+QUANT_WORK_BYTES = QuantWork.nbytes()
+"""What quantizing the base while loading adds: its chunk buffers (``base_quantization``)."""
 
 
 def _saved(tmp_path, family="llama", dtype=torch.float32, **overrides) -> str:
@@ -199,9 +202,13 @@ def test_loading_peaks_at_the_host_plan(tmp_path):
     runs = [_start(folder, "--save", str(tmp_path / "saved")), _start(folder, "--lora", "--bf16"),
             _start(folder, "--lora", "--bf16", "--path", "transformers")]
     full, lora, usual = (_result(p) for p in runs)
+    nf4 = _result(_start(folder, "--lora", "--bf16", "--base-quantization", "nf4"))
     assert full["checkpoint"] > 200e6 and full["params"] > 120e6
-    for run in (full, lora, usual):
+    for run in (full, lora, usual, nf4):
         assert run["store"] == run["plan"], run
+    # a quantized base: every linear's base weight read in chunks and stored in NF4 (0.52 B/param)
+    assert 0 < nf4["quantized"] < 0.55 * (nf4["params"] - 2 * 32000 * 768) and nf4["store"] < lora["store"]
+    assert nf4["peak"] - nf4["baseline"] <= nf4["plan"] + RSS_CONSTANT + QUANT_WORK_BYTES, nf4
     assert full["peak"] - full["baseline"] <= full["plan"] + RSS_CONSTANT, full
     assert lora["peak"] - lora["baseline"] <= lora["plan"] + RSS_CONSTANT, lora
     assert usual["peak"] - usual["baseline"] > usual["plan"] + RSS_CONSTANT, usual

@@ -9,7 +9,6 @@ parameter must agree within 1e-6 with plain Trainer driving that reference, for 
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

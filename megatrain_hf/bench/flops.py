@@ -42,14 +42,20 @@ def non_embedding_params(shape: ModelShape) -> int:
     return n
 
 
-def model_flops_per_token(shape: ModelShape, seq_len: int) -> int:
-    """``6 * N + 12 * L * H * Q * S`` for one token of a sequence of ``seq_len`` (exact integer)."""
+def model_flops_per_token(shape: ModelShape, seq_len: int, trainable: int | None = None) -> int:
+    """``6 * N + 12 * L * H * Q * S`` for one token of a sequence of ``seq_len`` (exact integer).
+
+    ``trainable``: the parameters that train when not all of them do (LoRA: the adapters, whose
+    matmuls count too); the frozen ones cost no weight-gradient matmul: ``4 * N + 2 * trainable``
+    plus ``6 * trainable`` for the adapters' own work, as ``stats.py`` counts it."""
     if seq_len < 1:
         raise ValueError(f"seq_len={seq_len}: must be >= 1")
     n = non_embedding_params(shape)  # full fine-tuning: every one of them trains
+    if trainable is not None:
+        return int(_per_token(n + trainable, trainable, shape.layers, shape.heads, shape.dim_head, seq_len))
     return int(_per_token(n, n, shape.layers, shape.heads, shape.dim_head, seq_len))
 
 
-def model_flops_per_step(shape: ModelShape, seq_len: int, tokens_per_step: int) -> int:
+def model_flops_per_step(shape: ModelShape, seq_len: int, tokens_per_step: int, trainable: int | None = None) -> int:
     """Model FLOPs of one optimizer step of ``tokens_per_step`` tokens in sequences of ``seq_len``."""
-    return model_flops_per_token(shape, seq_len) * tokens_per_step
+    return model_flops_per_token(shape, seq_len, trainable) * tokens_per_step

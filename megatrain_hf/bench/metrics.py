@@ -87,6 +87,7 @@ class StepTimer(TrainerCallback):
                 "optimizer_s": opt - pre_opt,
                 "post_s": end - opt,
                 "engine_counters": dict(self._counters_step) or None,
+                **memory_now(self.cuda_sync),
             }
         )
         self._counters_step = {}
@@ -277,6 +278,16 @@ def proc_status_gib() -> dict[str, float]:
     except OSError:
         pass
     return found
+
+
+def memory_now(cuda: bool) -> dict[str, float]:
+    """Host RSS and (with ``cuda``) the CUDA allocator's current bytes, in GiB: per step, so that a
+    long run shows whether memory stays flat."""
+    now = {"host_rss_gib": psutil.Process().memory_info().rss / 2**30}
+    if cuda:
+        now["gpu_allocated_gib"] = torch.cuda.memory_allocated() / 2**30
+        now["gpu_reserved_gib"] = torch.cuda.memory_reserved() / 2**30
+    return now
 
 
 def ru_maxrss_bytes() -> int:

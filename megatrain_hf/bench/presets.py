@@ -18,7 +18,8 @@ from ..memory import ModelShape
 # One source of model shapes for the planner and the benchmark: memory.PRESETS. The benchmark
 # trains every shape as an untied Llama (LlamaConfig), which is what those presets describe,
 # except qwen2.5-14b (q/k/v biases) -- the benchmark rejects presets it cannot build faithfully.
-BENCH_PRESETS = ("tiny", "llama-1.36b", "llama-3.14b", "llama-7b", "llama-13b", "llama-70b")
+BENCH_PRESETS = ("tiny", "llama-1.36b", "llama-3.14b", "llama-7b", "llama-13b", "llama-70b", "llama-3-70b",
+                 "mistral-large-123b")
 PRESETS: dict[str, ModelShape] = {name: MEMORY_PRESETS[name] for name in BENCH_PRESETS}
 
 
@@ -30,6 +31,17 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", choices=sorted(PRESETS), help="model shape preset")
     for name in SHAPE_FIELDS:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"override the preset's {name}")
+
+
+def add_lora_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--lora-rank R`` (LoRA on every linear instead of full fine-tuning) and ``--base-quantization``."""
+    parser.add_argument("--lora-rank", type=int, default=None,
+                        help="train LoRA adapters of this rank on every linear (PEFT) instead of every weight; "
+                        "megatrain's model is then built without weights, its seeded random init drawn at attach "
+                        "(megatrain_hf.from_config)")
+    parser.add_argument("--base-quantization", choices=("none", "int8", "nf4"), default="none",
+                        help="with --lora-rank: megatrain stores and streams the frozen base quantized "
+                        "(MegaTrainConfig.base_quantization); the other systems are reported unavailable")
 
 
 def shape_from_args(args: argparse.Namespace) -> ModelShape:

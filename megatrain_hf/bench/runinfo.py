@@ -43,6 +43,8 @@ def workload(args: argparse.Namespace, shape: ModelShape) -> dict[str, Any]:
         "dtype": args.dtype,
         "device": args.device,
         "seed": args.seed,
+        "lora_rank": getattr(args, "lora_rank", None),
+        "base_quantization": getattr(args, "base_quantization", "none"),
         "activation_checkpointing": True,
     }
 

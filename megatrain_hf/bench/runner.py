@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .presets import PRESETS, SHAPE_FIELDS, ModelShape, add_shape_arguments, shape_from_args
+from .presets import PRESETS, SHAPE_FIELDS, ModelShape, add_lora_arguments, add_shape_arguments, shape_from_args
 from .report import write_reports
 from .runinfo import run_metadata, workload
 from .systems import (CPU_OPTIMIZER_SYSTEMS, DEEPSPEED_SYSTEMS, DISTRIBUTED_SYSTEMS, SYSTEMS, check_workload,
@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{REPORT_MARGIN_S:g} s for the reports), and a system with under {MIN_SYSTEM_S:g} s left is "
                    "reported 'skipped', not started")
     p.add_argument("--seed", type=int, default=0)
+    add_lora_arguments(p)
     p.add_argument("--out", default="bench_output", help="directory for results.json, results.md, results.png")
     p.add_argument("--profile", action="store_true",
                    help="each system runs two more steps after the measured ones; the second is recorded by "
@@ -97,6 +98,8 @@ def worker_command(system: str, args: argparse.Namespace, shape: ModelShape, jso
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if getattr(args, "profile", False):
         cmd.append("--profile")
+    if getattr(args, "lora_rank", None) is not None:
+        cmd += ["--lora-rank", str(args.lora_rank), "--base-quantization", args.base_quantization]
     return cmd
 
 

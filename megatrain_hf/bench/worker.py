@@ -20,7 +20,7 @@ import traceback
 from typing import Any
 
 from .flops import model_flops_per_step, model_flops_per_token
-from .presets import ModelShape, add_shape_arguments, shape_from_args
+from .presets import ModelShape, add_lora_arguments, add_shape_arguments, shape_from_args
 from .systems import (DEEPSPEED_SYSTEMS, DISTRIBUTED_SYSTEMS, SYSTEMS, ZERO3_SYSTEMS, SystemCheck, check_workload,
                       extra_callbacks, training_arguments)
 
@@ -61,15 +61,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bf16", "fp32"), required=True)
     p.add_argument("--device", choices=("cuda", "cpu"), required=True)
     p.add_argument("--seed", type=int, default=0)
+    add_lora_arguments(p)
     p.add_argument("--profile", action="store_true",
                    help="run two more steps after the measured ones and record the second (from the first's "
                    "optimizer step) with torch.profiler into <json-out>.trace.json (not part of any measurement)")
     return p.parse_args(argv)
 
 
-def check_available(system: str, device: str, grad_accum: int = 1) -> None:
+def check_available(system: str, device: str, grad_accum: int = 1, base_quantization: str = "none") -> None:
     """Raise :class:`Unavailable` with the reason when ``system`` cannot run this workload here."""
     import torch
+
+    if base_quantization != "none" and system != "megatrain":
+        raise Unavailable(f"--base-quantization {base_quantization}: only megatrain stores a quantized base here")
 
     try:
         check_workload(system, grad_accum)
@@ -86,17 +90,10 @@ def check_available(system: str, device: str, grad_accum: int = 1) -> None:
         raise Unavailable(f"{system} with CPU offload streams to a CUDA device; --device {device} was given")
 
 
-def build_model(shape: ModelShape, seq_len: int, seed: int, init_device: str = "cpu"):
-    """Random-init fp32 Llama of ``shape`` on the CPU (through ``from_config``: ZeRO-3 partitions it at build).
+def llama_config(shape: ModelShape, seq_len: int):
+    from transformers import LlamaConfig
 
-    ``init_device="cuda"`` draws the random weights on the GPU (seconds, where a 7B model takes
-    over a minute on the CPU) and then moves the model to the CPU, where every system receives
-    it, as from ``from_pretrained``; the values depend on the device's generator.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
+    return LlamaConfig(
         hidden_size=shape.hidden,
         intermediate_size=shape.intermediate,
         num_hidden_layers=shape.layers,
@@ -107,6 +104,38 @@ def build_model(shape: ModelShape, seq_len: int, seed: int, init_device: str = "
         tie_word_embeddings=False,
         use_cache=False,
     )
+
+
+def build_lora_model(system: str, shape: ModelShape, seq_len: int, seed: int, rank: int, init_device: str):
+    """LoRA of ``rank`` on every linear. megatrain's base is built without weights (its seeded init is
+    drawn at attach, on ``init_device``, straight into the host store or the quantizer: a 70 B base is
+    never fp32); the others build theirs as :func:`build_model`."""
+    import peft
+    import torch
+
+    import megatrain_hf
+
+    if system == "megatrain":
+        base = megatrain_hf.from_config(llama_config(shape, seq_len), seed=seed, device=init_device)
+    else:
+        base = build_model(shape, seq_len, seed, init_device)
+    torch.manual_seed(seed)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                     lora_dropout=0.0))
+
+
+def build_model(shape: ModelShape, seq_len: int, seed: int, init_device: str = "cpu"):
+    """Random-init fp32 Llama of ``shape`` on the CPU (through ``from_config``: ZeRO-3 partitions it at build).
+
+    ``init_device="cuda"`` draws the random weights on the GPU (seconds, where a 7B model takes
+    over a minute on the CPU) and then moves the model to the CPU, where every system receives
+    it, as from ``from_pretrained``; the values depend on the device's generator.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = llama_config(shape, seq_len)
     torch.manual_seed(seed)
     if init_device == "cpu":  # no device context: ZeRO-3's zero.Init places the partitions itself
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -136,7 +165,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     from .metrics import PhaseMarks, ResourceSampler, StepProfiler, StepTimer
 
-    check_available(args.system, args.device, args.grad_accum)
+    check_available(args.system, args.device, args.grad_accum, args.base_quantization)
+    if args.base_quantization != "none":  # megatrain's option, beside those MEGATRAIN_CONFIG names
+        if args.lora_rank is None:
+            raise ValueError("--base-quantization quantizes a frozen LoRA base: give --lora-rank too")
+        options = json.loads(os.environ.get("MEGATRAIN_CONFIG") or "{}")
+        os.environ["MEGATRAIN_CONFIG"] = json.dumps({**options, "base_quantization": args.base_quantization})
     shape = shape_from_args(args)
     cuda = args.device == "cuda"
     if cuda:
@@ -153,7 +187,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             )  # before the model: under ZeRO-3, from_config then builds it partitioned (zero.Init)
             # ZeRO-3 builds partitioned under zero.Init (its own device handling); others on the GPU
             init_device = "cuda" if cuda and args.system not in ZERO3_SYSTEMS else "cpu"
-            model = build_model(shape, args.seq_len, args.seed, init_device)
+            if args.lora_rank is not None:
+                model = build_lora_model(args.system, shape, args.seq_len, args.seed, args.lora_rank, init_device)
+            else:
+                model = build_model(shape, args.seq_len, args.seed, init_device)
             if init_device == "cuda":  # the init's blocks must not stay cached or count as a peak
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -209,7 +246,8 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
     last = args.warmup_steps + args.steps  # the two steps of a profile after it are not measured
     summary = summarize_steps([s for s in timer.steps if s["step"] <= last], args.warmup_steps)
     tokens = args.micro_batch * args.seq_len * args.grad_accum
-    flops = model_flops_per_step(shape, args.seq_len, tokens)
+    lora = getattr(args, "lora_rank", None) is not None  # LoRA: the frozen base costs no weight gradients
+    flops = model_flops_per_step(shape, args.seq_len, tokens, params if lora else None)
     mean_s, median_s = summary["step_time_mean_s"], summary["step_time_median_s"]
     gib = 2**30
     cuda = args.device == "cuda"
@@ -217,7 +255,7 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
         "status": "ok",
         "params": params,
         "tokens_per_step": tokens,
-        "model_flops_per_token": model_flops_per_token(shape, args.seq_len),
+        "model_flops_per_token": model_flops_per_token(shape, args.seq_len, params if lora else None),
         "model_flops_per_step": flops,
         **summary,
         "tokens_per_s": tokens / mean_s,

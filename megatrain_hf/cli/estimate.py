@@ -9,9 +9,11 @@ import sys
 import torch
 
 from ..hf.families import FAMILIES, unsupported_message
-from ..memory.fit import ModelFit, largest_model, largest_preset
+from ..memory import activations
+from ..memory.fit import ModelFit, largest_model, largest_preset, longest_sequence, placement
 from ..memory.host import DEFAULT_HEADROOM_BYTES, GiB, available_host_bytes
 from ..memory.host import gib as _gib
+from ..memory.distributed import plan_ranks
 from ..memory.plan import MemoryPlan, plan_memory
 from ..memory.shapes import PRESETS, ModelShape, format_count, model_config
 
@@ -44,10 +46,28 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "8bit", "4bit"], default="fp32",
                         help="format of the AdamW moments in host RAM (optimizer_state; default fp32, 8 B/param; "
                              "8bit ~2 B/param, docs/optimizer-state.md)")
+    parser.add_argument("--sequence-tile-tokens", type=_tile_arg, default="auto", metavar="auto|none|N",
+                        help="tokens per MLP tile (sequence_tile_tokens; default auto)")
+    parser.add_argument("--checkpoint-interval", type=int, default=1, metavar="K",
+                        help="keep every K-th unit's activation checkpoint (checkpoint_interval; default 1)")
+    parser.add_argument("--gpu-gib", type=float, default=None,
+                        help="GPU memory to plan against: prints where the checkpoints go at --seq-len and the "
+                             "longest sequence that fits it (with the host RAM)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: auto)")
     parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
+    parser.add_argument("--base-quantization", choices=["none", "int8", "nf4"], default="none",
+                        help="with --lora-rank: the frozen base stored and streamed quantized "
+                             "(MegaTrainConfig.base_quantization; docs/qlora.md)")
     parser.add_argument("--host-gib", type=float, default=None,
                         help="plan against this much RAM instead of this machine's available RAM")
+    parser.add_argument("--offload-dir", default=None, metavar="DIR",
+                        help="plan the disk tier (offload_dir=DIR): the AdamW moments on DIR's filesystem, RAM and "
+                             "disk per tier, disk bytes per optimizer step, the largest model RAM + disk hold")
+    parser.add_argument("--disk-gib", type=float, default=None,
+                        help="with --offload-dir: plan against this much free disk instead of DIR's free space")
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="data-parallel processes (GPUs) in all: host RAM per rank and per host (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, help="hosts the processes run on (default 1)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
     parser.add_argument("--chart", default=None, metavar="PNG", help="also write a bar chart of the plan")
     try:
@@ -68,11 +88,17 @@ def estimate_main(argv: list[str] | None = None) -> int:
             offload_checkpoints=args.offload_checkpoints,
             loss_chunk_tokens=args.loss_chunk_tokens,
             lora_rank=args.lora_rank,
+            base_quantization=args.base_quantization,
             optimizer_state=args.optimizer_state,
+            sequence_tile_tokens=args.sequence_tile_tokens,
+            checkpoint_interval=args.checkpoint_interval,
         )
+        ranks = plan_ranks(plan, args.world_size, args.nodes, host_staging=args.host_staging)
     except ValueError as exc:
         print(f"megatrain estimate: error: {exc}", file=sys.stderr)
         return 2
+    if args.world_size > 1:
+        return _print_ranks(plan, ranks, args)
     if args.host_gib is not None:
         available, source = int(args.host_gib * GiB), "given by --host-gib"
     else:
@@ -83,6 +109,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
     options = dict(
         compute_dtype=plan.compute_dtype,
         lora_rank=args.lora_rank,
+        base_quantization=args.base_quantization,
         host_staging=args.host_staging,
         offload_tokens=plan.seq_len * plan.micro_batch * plan.micro_batches_in_flight if args.offload_checkpoints else 0,
         optimizer_state=args.optimizer_state,
@@ -90,6 +117,11 @@ def estimate_main(argv: list[str] | None = None) -> int:
     fit = largest_model(available, base=shape, **options)
     preset = largest_preset(available, **options)
     gpu_available = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    try:
+        disk = _disk_plan(args, shape, plan, available) if args.offload_dir or args.disk_gib else None
+    except ValueError as exc:
+        print(f"megatrain estimate: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps({
             "plan": plan.to_dict(),
@@ -103,9 +135,12 @@ def estimate_main(argv: list[str] | None = None) -> int:
             "max_layers": fit.deepest.layers if fit.deepest else 0,
             "max_layers_params": fit.deepest.params() if fit.deepest else 0,
             "widest_hidden": fit.widest.hidden if fit.widest else None,
+            "disk_tier": disk,
         }, indent=2))
         return 0
     print(_table(plan))
+    print()
+    print(activation_lines(plan))
     print()
     if args.chart:
         write_chart(plan, args.chart)
@@ -119,13 +154,134 @@ def estimate_main(argv: list[str] | None = None) -> int:
         print(f"GPU 0: {_gib(gpu_available)} GiB; estimate {_gib(plan.gpu_total)} GiB -> {gpu_fits}")
     else:
         print(f"GPU: none visible here; the estimate above is {_gib(plan.gpu_total)} GiB")
+    if args.gpu_gib is not None:
+        print(_long_context_fit(shape, args, int(args.gpu_gib * GiB), available))
     mode = f"LoRA r={args.lora_rank}, " if args.lora_rank is not None else ""
+    if args.base_quantization != "none":
+        mode += f"{args.base_quantization} base, "
     print(f"largest preset that fits ({mode}{plan.compute_dtype}): {preset or 'none'}")
     print(_describe(fit))
+    if disk is not None:
+        print()
+        print(_disk_table(disk))
     if not fits:
         lora_hint = "" if args.lora_rank is not None else ", --lora-rank (LoRA)"
         print(f"to fit: fewer layers / a smaller model{lora_hint}, or more RAM")
     return 0
+
+
+def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int) -> dict:
+    """The disk tier's numbers (AdamW moments on disk) for ``plan``, against RAM and free disk."""
+    from ..memory import disk
+
+    if args.disk_gib is not None:
+        free, where = int(args.disk_gib * GiB), "given by --disk-gib"
+    else:
+        free, where = disk.disk_free_bytes(disk.check_offload_dir(args.offload_dir)), f"free in {args.offload_dir}"
+    tier = disk.shape_tier(shape, plan.compute_dtype, args.lora_rank)
+    ram = disk.ram_with_tier(plan, tier)
+
+    def plan_of(s: ModelShape) -> MemoryPlan:
+        return plan_memory(s, seq_len=plan.seq_len, micro_batch=plan.micro_batch, grad_accum=plan.grad_accum,
+                           compute_dtype=plan.compute_dtype, layer_major=args.layer_major,
+                           chunked_loss=args.chunked_loss, host_staging=args.host_staging,
+                           offload_checkpoints=args.offload_checkpoints, loss_chunk_tokens=args.loss_chunk_tokens,
+                           lora_rank=args.lora_rank)
+
+    layers, params = disk.deepest_with_tier(shape, ram_available, free, plan_of)
+    return {
+        "disk_bytes": tier.disk_bytes, "ram_window_bytes": tier.ram_bytes, "window_slots": disk.DEFAULT_WINDOW,
+        "host_ram_bytes": ram, "host_ram_required_bytes": ram + DEFAULT_HEADROOM_BYTES,
+        "host_ram_available_bytes": ram_available, "disk_free_bytes": free, "disk_source": where,
+        "disk_required_bytes": tier.disk_bytes + disk.DISK_HEADROOM_BYTES,
+        "read_per_step_bytes": tier.read_per_step, "written_per_step_bytes": tier.written_per_step,
+        "fits": ram + DEFAULT_HEADROOM_BYTES <= ram_available and tier.disk_bytes + disk.DISK_HEADROOM_BYTES <= free,
+        "max_layers": layers, "max_layers_params": params,
+    }
+
+
+def _disk_table(d: dict) -> str:
+    w = 52
+    fits = "fits" if d["fits"] else "does NOT fit"
+    return "\n".join([
+        f"{'DISK TIER (offload_dir: AdamW moments on disk)':<{w}}{'GiB':>9}",
+        f"  {'RAM: the plan without the moments':<{w - 2}}{_gib(d['host_ram_bytes'] - d['ram_window_bytes']):>9}",
+        f"  {'RAM: window of ' + str(d['window_slots']) + ' unit slots':<{w - 2}}{_gib(d['ram_window_bytes']):>9}",
+        f"  {'RAM total (+ headroom ' + _gib(DEFAULT_HEADROOM_BYTES) + ')':<{w - 2}}"
+        f"{_gib(d['host_ram_required_bytes']):>9}   available {_gib(d['host_ram_available_bytes'])}",
+        f"  {'disk: AdamW moments (exp_avg + exp_avg_sq, fp32)':<{w - 2}}{_gib(d['disk_bytes']):>9}",
+        f"  {'disk total (+ 1.00 headroom)':<{w - 2}}{_gib(d['disk_required_bytes']):>9}   "
+        f"{d['disk_source']}: {_gib(d['disk_free_bytes'])}",
+        f"  -> {fits}",
+        f"  per optimizer step: {_gib(d['read_per_step_bytes'])} GiB read, {_gib(d['written_per_step_bytes'])} GiB "
+        f"written (drive endurance: {d['written_per_step_bytes'] * 1000 / 1e12:.2f} TB written per 1000 steps)",
+        f"  largest depth that fits RAM + disk: {d['max_layers']} layers = {format_count(d['max_layers_params'])} "
+        "params",
+    ])
+def _print_ranks(plan: MemoryPlan, ranks, args) -> int:
+    """Data parallelism: the single-GPU plan, then host RAM per rank and host and what one host has."""
+    if args.host_gib is not None:
+        available, source = int(args.host_gib * GiB), "given by --host-gib"
+    else:
+        available, source = available_host_bytes(), "available on this machine now"
+    need = max(ranks.host_bytes) + DEFAULT_HEADROOM_BYTES
+    if args.json:
+        print(json.dumps({"plan": plan.to_dict(), "ranks": ranks.to_dict(), "host_available_bytes": available,
+                          "host_required_bytes": need, "fits_host": need <= available}, indent=2))
+        return 0
+    print(_table(plan))
+    print()
+    print(ranks.table())
+    verdict = "fits" if need <= available else "does NOT fit"
+    print(f"host RAM {source}: {_gib(available)} GiB per host; the fullest host {_gib(max(ranks.host_bytes))} + "
+          f"headroom {_gib(DEFAULT_HEADROOM_BYTES)} = {_gib(need)} GiB -> {verdict}")
+    return 0
+def _tile_arg(value: str):
+    if value in ("auto", "none", "None"):
+        return None if value.lower() == "none" else "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: allowed auto, none or a number of tokens") from None
+
+
+def activation_lines(plan: MemoryPlan) -> str:
+    """Where the activation bytes of one micro-batch go, per unit and per token."""
+    s, tokens = plan.shape, plan.tokens_per_micro_batch
+    cbytes = 2 if plan.compute_dtype == "bf16" else 4
+    untiled = activations.layer_working_set(tokens, s.hidden, s.q_dim, s.kv_dim, s.intermediate, cbytes)
+    kept = activations.kept_checkpoints(s.layers, plan.checkpoint_interval)
+    chunk = plan.gpu_logits // (s.vocab * (cbytes + 12))  # tokens of the logits the plan holds at once
+    tile = plan.sequence_tile_tokens
+    ckpt_where = "host" if plan.host_checkpoints else "GPU"
+    rows = [(f"checkpoint per unit (fp32 tokens x hidden), {kept} kept on the {ckpt_where}", tokens * s.hidden * 4),
+            (f"inputs of a block held (checkpoint_interval={plan.checkpoint_interval})", plan.gpu_recomputed_inputs),
+            ("one layer's recompute, MLP untiled", untiled),
+            (f"one layer's recompute, MLP in {activations.tiles(tokens, tile)} tiles of {tile} tokens" if tile
+             else "one layer's recompute as planned (untiled)", plan.gpu_layer_working_set),
+            (f"logits chunk ({min(tokens, chunk)} tokens x vocab {s.vocab})", plan.gpu_logits)]
+    lines = [f"{f'ACTIVATIONS ({tokens} tokens per micro-batch)':<64}{'GiB':>9}"]
+    lines += [f"  {label:<62}{_gib(value):>9}" for label, value in rows]
+    return "\n".join(lines)
+
+
+def _long_context_fit(shape: ModelShape, args, gpu_bytes: int, host_bytes: int) -> str:
+    options = dict(micro_batch=args.micro_batch, grad_accum=args.grad_accum, compute_dtype=args.dtype,
+                   layer_major=args.layer_major, chunked_loss=args.chunked_loss, host_staging=args.host_staging,
+                   loss_chunk_tokens=args.loss_chunk_tokens, lora_rank=args.lora_rank,
+                   sequence_tile_tokens=args.sequence_tile_tokens)
+    where = placement(shape, args.seq_len, gpu_bytes, host_bytes, **options)
+    budget = f"a {_gib(gpu_bytes)} GiB GPU and {_gib(host_bytes)} GiB host RAM"
+    lines = [f"at seq {args.seq_len} on {budget}: " + (_placed(where) if where else "nothing fits")]
+    seq, best = longest_sequence(shape, gpu_bytes, host_bytes, **options)
+    lines.append(f"longest sequence that fits {budget}: {seq} tokens" + (f" ({_placed(best)})" if best else ""))
+    return "\n".join(lines)
+
+
+def _placed(plan: MemoryPlan) -> str:
+    where = "offloaded to host" if plan.host_checkpoints else "on the GPU"
+    return (f"checkpoints {where}, checkpoint_interval={plan.checkpoint_interval}; GPU {_gib(plan.gpu_total)} GiB, "
+            f"host {_gib(plan.host_total)} GiB")
 
 
 def _table(plan: MemoryPlan) -> str:
@@ -133,6 +289,8 @@ def _table(plan: MemoryPlan) -> str:
     ``0.00 B``)."""
     s = plan.shape
     lora = f", LoRA r={plan.lora_rank}" if plan.lora_rank is not None else ""
+    if plan.base_quantization != "none":
+        lora += f" on a {plan.base_quantization} base"
     headline = (f"memory plan: {s.name or 'model'}  ({format_count(plan.total_params)} params, "
                 f"{format_count(plan.trainable_params)} trainable{lora}), compute {plan.compute_dtype}")
     return headline + "\n" + plan.table().split("\n", 1)[1]

@@ -168,8 +168,12 @@ class GradSink:
             for e, g in hooked:
                 self._accumulate_hooked(e, g)
         if self.streams is None:
+            if u in self.store.remote:  # data parallelism, a unit another rank owns: sent as computed
+                self.store.grads_landed(u, {e.offset: g for e, g in merged})
+                return None
             for e, g in merged:
                 self.store.accumulate_grad(e, g)
+            self.store.grads_landed(u)  # data parallelism: summed into the owner's accumulator
             self.norms[u] = self._unit_norms(u) if want_norm else None
             return None
         fresh, added, replaced = [], [], False
@@ -276,6 +280,7 @@ class GradSink:
                     continue
                 self._count(g)
                 self.store.accumulate_grad(e, g)
+            self.store.grads_landed(owner)
             self.norms[owner] = None
 
     def _count(self, g: torch.Tensor) -> None:
@@ -288,6 +293,7 @@ class GradSink:
         try:
             done.synchronize()
             self.stats.grad_stream_busy_s += start.elapsed_time(done) / 1e3  # its effective link rate
+            self.store.grads_landed(u)  # data parallelism: summed into the owner's accumulator
             if isinstance(want_norm, torch.Tensor):  # computed on the device, as of the send (key)
                 self.norms[u] = (key, list(want_norm.unbind()))
             elif want_norm:  # from the host accumulators; valid only if no later send changed them
@@ -334,17 +340,24 @@ class GradSink:
         return self.grad_key(u), (list(torch._foreach_norm(present)) if present else [])
 
     def global_norm(self) -> torch.Tensor:
-        """L2 norm over all host gradients, like ``torch.nn.utils.clip_grad_norm_`` computes it."""
+        """L2 norm over all host gradients, like ``torch.nn.utils.clip_grad_norm_`` computes it.
+
+        Under data parallelism: over the owners' gradients (made means first), the ranks' sums of
+        squares all-reduced as one scalar."""
         self.wait()
+        sharding = self.store.sharding
+        if sharding is not None:
+            sharding.take_mean(self.store.held_grads())
         norms: list[torch.Tensor] = []
         for u in range(len(self.norms)):
             # recompute when the gradients changed since (a training_step override edited them)
             if self.norms[u] is None or self.norms[u][0] != self.grad_key(u):
                 self.norms[u] = self._unit_norms(u)
             norms.extend(self.norms[u][1])
-        if not norms:
-            return torch.zeros(())
-        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else torch.zeros(())
+        if sharding is not None:
+            total = sharding.sum_scalar(total.square()).sqrt()
+        return total
 
     def hooked_parameters(self) -> list[str]:
         """Names of trainable parameters with tensor hooks (they need one backward per micro-batch)."""

@@ -6,7 +6,8 @@ counts their bytes before anything exists), so the two cannot disagree.
 Per unit, the trainable parameters share one fp32 flat (the *master*; the gradient accumulator and
 the AdamW moments have the same layout): first the tensors that cross the link in the compute
 dtype (their *staging* copy covers ``master[:n_staged]``), then the fp32-wire ones, each starting
-on a 64-byte boundary. Frozen parameters (PEFT base weights) live in one flat per wire dtype.
+on a 64-byte boundary. Frozen parameters (PEFT base weights) live in one flat per wire dtype; a
+quantized one (``quant.py``) is a byte range of the ``uint8`` frozen flat.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import enum
 from dataclasses import dataclass, field
 
 import torch
+
+from .quant import QuantFormat
 
 ALIGN_ELEMS = 16
 """Every tensor starts on a 64-byte boundary inside its flat (16 fp32 elements)."""
@@ -85,10 +88,12 @@ class Entry:
     wire: torch.dtype
     offset: int = 0  # element offset inside the owner's master (trainable) or frozen flat
     shape: torch.Size = field(default_factory=torch.Size)
+    quant: QuantFormat | None = None  # a quantized frozen weight: ``numel`` bytes of the uint8 frozen flat
 
     @property
     def numel(self) -> int:
-        return self.tensor.numel()
+        """Elements of its flat it occupies (bytes for a quantized weight)."""
+        return self.quant.nbytes if self.quant is not None else self.tensor.numel()
 
     @property
     def source(self) -> tuple[Kind, torch.dtype]:

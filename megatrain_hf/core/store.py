@@ -11,7 +11,9 @@ Each streamed unit (embedding, decoder layer, final norm, head) owns, laid out b
   reference model): no master, no gradient, no optimizer state. Stored in the wire dtype (2 B/param
   for bf16 matrices), or in fp32 with ``frozen_in_wire_dtype=False`` (for weights that are edited in
   place, e.g. a reference synchronised with the policy; rounded to the wire dtype on the device
-  instead).
+  instead). A frozen matrix the caller asks to quantize (``quantize``) is a byte range of the
+  ``uint8`` frozen flat instead (``quant.py``), quantized as it is filled; its parameter then holds
+  a one-element NaN placeholder of its shape (the weight exists only quantized).
 
 The registered ``nn.Parameter`` objects are kept (optimizers, PEFT, ``named_parameters`` keep
 working) but their data is re-pointed into these flats, each through a storage of its own
@@ -35,7 +37,9 @@ from typing import Callable
 import torch
 
 from .layout import Entry, Kind, TensorSpec, UnitSizes, lay_out, wire_dtype
+from .quant import QuantWork, quant_format, quantize_into, quantize_tensor
 from .readiness import UnitGates
+from .sharding import ReceiveSlots
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +92,11 @@ class HostStore:
 
     ``units`` is a list of ``(unit_name, module)``; ``embedding_units`` the indices whose weights
     are lookup tables; ``sources(tensor)``, if given, returns what fills the tensor's slice of its
-    flat (called with the slice, 1-D, in the flat's dtype) or None to copy the tensor into it. The
-    store does not know what a model is.
+    flat (called with the slice, 1-D, in the flat's dtype) or None to copy the tensor into it;
+    ``quantize(tensor)`` the scheme a frozen tensor is stored in (None: as is), and ``ranges(tensor)``
+    what reads its elements ``[first, first + n)`` into an fp32 buffer (a checkpoint read) or None
+    (read the tensor); ``stored_quantized(tensor)`` what copies a tensor stored quantized already
+    (``fill(format, byte_range)``), or None. The store does not know what a model is.
     """
 
     def __init__(
@@ -101,7 +108,13 @@ class HostStore:
         staging: bool = True,
         frozen_in_wire_dtype: bool = True,
         sources: Callable[[torch.Tensor], Callable[[torch.Tensor], None] | None] | None = None,
+        quantize: Callable[[torch.Tensor], str | None] | None = None,
+        ranges: Callable[[torch.Tensor], Callable[[int, int, torch.Tensor], None] | None] | None = None,
+        stored_quantized: Callable[[torch.Tensor], Callable | None] | None = None,
+        sharding=None,
+        slots: tuple[int, int] = (1, 1),
     ) -> None:
+        self.sharding = sharding  # core.sharding.UnitSharding under data parallelism, else None
         self.compute_dtype = compute_dtype
         self.frozen_in_wire_dtype = frozen_in_wire_dtype
         self.staging = staging and compute_dtype != torch.float32
@@ -114,8 +127,11 @@ class HostStore:
         # so their memory cannot return to malloc (and be registered again) while still pinned.
         self._unpin = weakref.finalize(self, _unregister, self._registered)
         self._param_home: dict[int, tuple[int, Entry]] = {}
+        self._quantize = quantize
         self._sizes = self._plan(units, embedding_units)
-        self._allocate(sources)
+        self.remote = self._remote_units()
+        self._slots = ReceiveSlots(self, *slots) if self.remote else None
+        self._allocate(sources, ranges, stored_quantized)
         self.gates = UnitGates(self.names)
 
     # ------------------------------------------------------------------ layout
@@ -142,9 +158,17 @@ class HostStore:
                     )
                 kind = Kind.TRAINABLE if param.requires_grad else Kind.FROZEN
                 wire = wire_dtype(param.dtype, param.ndim, self.compute_dtype, embedding=u in embedding_units, name=name)
-                entry = Entry(name, param, kind, u, wire, 0, param.shape)
+                scheme = self._quantize(param) if kind is Kind.FROZEN and self._quantize is not None else None
+                fmt = quant_format(scheme, tuple(param.shape), wire) if scheme is not None else None
+                if scheme is not None and fmt is None:
+                    logger.info("megatrain: %s.%s %s is kept unquantized (%s takes matrices of a whole "
+                                "number of blocks)", unit_name, name, tuple(param.shape), scheme)
+                entry = Entry(name, param, kind, u, wire if fmt is None else torch.uint8, 0, param.shape, fmt)
                 self._param_home[id(param)] = (u, entry)
                 entries.append(entry)
+                if fmt is not None:
+                    fresh.append((entry, TensorSpec(fmt.nbytes, False, torch.uint8)))
+                    continue
                 stored = wire if kind is Kind.TRAINABLE else self.frozen_storage(wire)
                 fresh.append((entry, TensorSpec(param.numel(), kind is Kind.TRAINABLE, stored)))
             sizes = lay_out([spec for _, spec in fresh])
@@ -182,11 +206,23 @@ class HostStore:
         self._registered.append(flat)
         return flat
 
-    def _allocate(self, sources) -> None:
+    def _remote_units(self) -> frozenset[int]:
+        """Units whose trainable state another rank owns: laid into receive slots here. A unit whose
+        flat another unit reads (a tied embedding) is kept whole on every rank."""
+        if self.sharding is None:
+            return frozenset()
+        tied = {e.owner for u, entries in enumerate(self.entries) for e in entries if e.owner != u}
+        return frozenset(u for u in range(len(self.entries))
+                         if self._sizes[u].n_train and u not in tied and not self.sharding.owns(u))
+
+    def _allocate(self, sources, ranges, stored_quantized=None) -> None:
+        work = None  # the quantization's chunk buffers, one set for every tensor
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
             sizes = self._sizes[u]
-            if sizes.n_train:
+            if u in self.remote:
+                self._slots.lay_out(u, bufs, sizes)
+            elif sizes.n_train:
                 bufs.master_host = self.allocate(sizes.n_train, torch.float32)
                 bufs.grad_host = self.allocate(sizes.n_train, torch.float32)
                 bufs.grad_host.zero_()
@@ -195,14 +231,31 @@ class HostStore:
                     bufs.staging_host = self.allocate(bufs.n_staged, self.compute_dtype)
             for dtype, n in sizes.frozen.items():
                 bufs.frozen_host[dtype] = self.allocate(n, dtype)
+                if dtype == torch.uint8:  # quantized weights: their padding bytes too are defined
+                    bufs.frozen_host[dtype].zero_()
             for e in entries:
                 if e.owner != u or e.kind is Kind.BUFFER:
                     continue
                 flat = bufs.master_host if e.kind is Kind.TRAINABLE else bufs.frozen_host[self.frozen_storage(e.wire)]
                 region = flat[e.offset : e.offset + e.numel]
+                if e.quant is not None:
+                    read = ranges(e.tensor) if ranges is not None else None
+                    copy = stored_quantized(e.tensor) if stored_quantized is not None else None
+                    work = work or QuantWork()
+                    with torch.no_grad():
+                        if copy is not None:  # already quantized in the checkpoint: its bytes as stored
+                            copy(e.quant, region)
+                        elif read is None:
+                            quantize_tensor(e.quant, e.tensor, region, work)
+                        else:
+                            quantize_into(e.quant, read, region, work)
+                    e.tensor.data = torch.full((), float("nan"), dtype=e.tensor.dtype).expand(e.shape)
+                    continue
                 fill = sources(e.tensor) if sources is not None else None
                 with torch.no_grad():
-                    if fill is None:
+                    if u in self.remote and e.kind is Kind.TRAINABLE:
+                        pass  # the owner's masters arrive with each fetch
+                    elif fill is None:
                         region.copy_(e.tensor.detach().reshape(-1))
                     else:
                         fill(region)
@@ -215,15 +268,60 @@ class HostStore:
 
     # ------------------------------------------------------------------ queries
     def trainable_numel(self) -> int:
-        return sum(b.master_host.numel() for b in self.buffers if b.master_host is not None)
+        """Elements of the fp32 masters this process holds (its own units under data parallelism)."""
+        return sum(b.master_host.numel() for u, b in enumerate(self.buffers)
+                   if b.master_host is not None and u not in self.remote)
 
     def host_bytes(self) -> int:
-        total = 0
-        for b in self.buffers:
-            for t in (b.master_host, b.grad_host, b.staging_host, *b.frozen_host.values()):
+        total = self._slots.nbytes() if self._slots is not None else 0
+        for u, b in enumerate(self.buffers):
+            tensors = (*b.frozen_host.values(),) if u in self.remote else (
+                b.master_host, b.grad_host, b.staging_host, *b.frozen_host.values())
+            for t in tensors:
                 if t is not None:
                     total += t.numel() * t.element_size()
         return total
+
+    # ------------------------------------------------------------------ data parallelism
+    def before_read(self, u: int) -> None:
+        """A fetch reads unit ``u``'s masters: under data parallelism, the owner's arrive first."""
+        if self.sharding is None or self.buffers[u].master_host is None:
+            return
+        self.sharding.broadcast_master(u, self.buffers[u].master_host)
+        if u in self.remote:
+            self.buffers[u].staging_dirty = True  # the staging copy of the slot is the previous unit's
+
+    def grads_landed(self, u: int, computed: dict | None = None) -> None:
+        """Unit ``u``'s gradients of this backward are here: sum them into the owner's, tensor by tensor.
+
+        ``computed`` ({entry offset: gradient}, the CPU path of a unit another rank owns): sent straight
+        from the computed gradients, so the gradient slot is never written (nor resident)."""
+        if self.sharding is None or self.buffers[u].grad_host is None:
+            return
+        owned = self.owned_trainable(u)  # every rank sends unit u in the same backward (same graph)
+        mine = self.sharding.owns(u)
+        for e in owned:
+            g = computed.get(e.offset) if computed is not None and e.tensor.grad is None else None
+            if g is not None:  # a copy: a reduce may use a non-root's buffer as scratch
+                part = g.detach().reshape(-1).to(torch.float32, copy=True)
+            else:
+                part = self.grad_region(e)
+                if e.tensor.grad is None:  # no contribution here: a zero one (the region may be a reused slot)
+                    part.zero_()
+                    if mine:
+                        e.tensor.grad = part.view(e.shape)
+            self.sharding.reduce_grad(u, part)
+            if not mine:
+                e.tensor.grad = None  # the owner holds the sum (and the region may be a slot)
+
+    def held_grads(self) -> list[torch.Tensor]:
+        """The gradients this process holds (its own units'), for the per-step mean."""
+        return [e.tensor.grad for u in range(len(self.entries)) if self.owns(u)
+                for e in self.owned_trainable(u) if e.tensor.grad is not None]
+
+    def owns(self, u: int) -> bool:
+        """Whether this process holds unit ``u``'s gradient and optimizer state (always, without sharding)."""
+        return self.sharding is None or self.sharding.owns(u)
 
     def home_of(self, param: torch.Tensor) -> tuple[int, Entry] | None:
         """(owner unit, entry) of a parameter the store manages, else None."""
@@ -335,3 +433,4 @@ class HostStore:
     def release(self) -> None:
         """Unpin the flats. The parameters keep aliasing them (they stay valid host memory)."""
         _unregister(self._registered)
+

@@ -14,6 +14,11 @@ layer-major round, or the backward right after the head's forward, reuse it), an
 copies of unit buffers (uploaded once, e.g. Gemma3's ``embed_scale``). Before reading a unit's
 host flats the streamer waits until no background optimizer update is writing them; an upload
 issued before the masters changed is dropped (``gates.generation``).
+
+Quantized frozen weights (``quant.py``) cross the link as bytes and are dequantized on the compute
+stream when the unit is fetched, into one device flat per unit in the compute dtype (the template
+binds views of it); the dequantized flat lives as long as the fetched unit stays resident, and the
+caching allocator hands its memory to the next unit's.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 import torch
 
 from .layout import Kind
+from .quant import dequantize_into
 from .store import HostStore
 
 
@@ -57,6 +63,8 @@ class Streamer:
             for entries in store.entries
         ]
         self._owners = [sorted({owner for owner, _ in sources}) for sources in self._sources]
+        self._quantized = [[e for e in entries if e.quant is not None] for entries in store.entries]
+        self._dequantized: tuple[_Upload, dict[str, torch.Tensor]] | None = None  # of the resident unit
 
     def _generation(self, u: int) -> tuple[int, ...]:
         generation = self.store.gates.generation
@@ -68,8 +76,13 @@ class Streamer:
         for owner in self._owners[u]:
             self.store.gates.wait_ready(owner)  # no background update is writing these masters
         self.stats.optimizer_wait_s += time.perf_counter() - started
-        flats: dict[tuple, tuple[torch.Tensor, int]] = {}
         streams = self.streams
+        if self.store.sharding is not None:
+            if streams is not None and any(o in self.store.remote for o in self._owners[u]):
+                self.copy_stream.synchronize()  # no earlier upload still reads the receive slot
+            for owner in self._owners[u]:
+                self.store.before_read(owner)  # data parallelism: the owner's masters arrive
+        flats: dict[tuple, tuple[torch.Tensor, int]] = {}
         if streams is None:
             for owner, key in self._sources[u]:
                 host, base = self.store.source(owner, key)
@@ -110,10 +123,32 @@ class Streamer:
             if e.kind is Kind.BUFFER:
                 tensors[e.name] = self._buffers_dev[(u, e.name)]
                 continue
+            if e.quant is not None:
+                continue
             flat_dev, base = upload.flats[(e.owner, e.source)]
             start = e.offset - base
             tensors[e.name] = flat_dev[start : start + e.numel].view(e.shape)
+        if self._quantized[u]:
+            tensors.update(self._dequantize(u, upload))
         return tensors
+
+    def _dequantize(self, u: int, upload: _Upload) -> dict[str, torch.Tensor]:
+        """Unit ``u``'s quantized weights, dequantized from ``upload`` (again only for a new upload)."""
+        if self._dequantized is not None and self._dequantized[0] is upload:
+            return self._dequantized[1]
+        self._dequantized = None  # the previous unit's flat goes back to the allocator first
+        entries = self._quantized[u]
+        dtype = entries[0].quant.dtype
+        flat = torch.empty(sum(e.quant.numel for e in entries), dtype=dtype, device=self.device)
+        out, first = {}, 0
+        for e in entries:
+            flat_dev, base = upload.flats[(e.owner, e.source)]
+            start = e.offset - base
+            out[e.name] = dequantize_into(e.quant, flat_dev[start : start + e.numel], flat[first : first + e.quant.numel])
+            first += e.quant.numel
+        self.stats.dequantized_bytes += flat.numel() * flat.element_size()
+        self._dequantized = (upload, out)
+        return out
 
     def _wait_for(self, upload: _Upload) -> None:
         """The compute stream reads the upload only once it landed; a stall is timed with two events."""
@@ -159,3 +194,4 @@ class Streamer:
         """Forget uploads not consumed yet and the resident unit (end of a pass, an aborted pass)."""
         self._inflight.clear()
         self._resident = None
+        self._dequantized = None

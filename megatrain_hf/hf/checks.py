@@ -35,23 +35,57 @@ def check_fp32(model: nn.Module) -> None:
         )
 
 
-def position_limit(config) -> int | None:
-    """``max_position_embeddings`` when it bounds the trained positions; None without it, or when
-    rope scaling (YaRN, linear, dynamic, ...) extends the context on purpose."""
-    limit = getattr(config, "max_position_embeddings", None)
+UNBOUNDED_ROPE = ("dynamic",)
+"""rope types that rescale to whatever length they meet (dynamic NTK): no position limit."""
+
+
+def _rope(config) -> dict | None:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        return rope
+    return None
+
+
+def position_limit(config) -> int | None:
+    """The longest training sequence the config's positions allow: ``max_position_embeddings``, or
+    with rope scaling (linear, YaRN, llama3, LongRoPE, ...) ``factor x`` the original positions when
+    that is more; None without a limit (no ``max_position_embeddings``, dynamic NTK, a scaling
+    without a factor)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool):
         return None
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+    rope = _rope(config)
+    if rope is None:
+        return limit
+    factor = rope.get("factor")
+    if rope.get("rope_type", rope.get("type")) in UNBOUNDED_ROPE or not isinstance(factor, (int, float)):
+        return None
+    original = rope.get("original_max_position_embeddings") or limit
+    return max(limit, int(original * factor))
 
 
-def sequence_too_long(seq: int, limit: int, model_type: str, where: str = "a training sequence") -> ValueError:
+def limit_reason(config) -> str:
+    """What sets :func:`position_limit`, for the refusal's message."""
+    limit = getattr(config, "max_position_embeddings", None)
+    rope = _rope(config)
+    if rope is None:
+        return f"the model's max_position_embeddings={limit}"
+    kind = rope.get("rope_type", rope.get("type"))
+    original = rope.get("original_max_position_embeddings") or limit
+    return (f"what the config's rope scaling allows ({kind} x{rope.get('factor')} of {original} positions = "
+            f"{position_limit(config)}; max_position_embeddings={limit})")
+
+
+def sequence_too_long(seq: int, limit: int, model_type: str, where: str = "a training sequence",
+                      reason: str | None = None) -> ValueError:
+    reason = reason or f"the model's max_position_embeddings={limit}"
     return ValueError(
-        f"megatrain: {where} has {seq} tokens, more than the model's max_position_embeddings={limit} "
+        f"megatrain: {where} has {seq} tokens, more than {reason} "
         f"({model_type}): positions past it were never trained, and the loss would be computed on them "
         f"silently. Fix: truncate the data to <= {limit} tokens (e.g. tokenizer(..., truncation=True, "
         f"max_length={limit}) or SFTConfig(max_length={limit})), or extend the context on purpose (set "
-        "rope_scaling and max_position_embeddings in the model config before loading)."
+        "rope_scaling, e.g. {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': ...}, "
+        "and max_position_embeddings in the model config before loading)."
     )
 
 
@@ -59,8 +93,8 @@ class SequenceLengthCheck:
     """Forward pre-hook of the decoder: a training call's sequence must fit the positions the model
     was built for, unless it passes ``position_ids`` (packed documents restart them)."""
 
-    def __init__(self, limit: int, model_type: str) -> None:
-        self.limit, self.model_type = limit, model_type
+    def __init__(self, limit: int, model_type: str, reason: str | None = None) -> None:
+        self.limit, self.model_type, self.reason = limit, model_type, reason
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not (module.training and torch.is_grad_enabled()) or kwargs.get("position_ids") is not None:
@@ -74,7 +108,7 @@ class SequenceLengthCheck:
         else:
             return
         if seq > self.limit:
-            raise sequence_too_long(seq, self.limit, self.model_type)
+            raise sequence_too_long(seq, self.limit, self.model_type, reason=self.reason)
 
 
 def check_side_inputs(unit_name: str, rest: tuple, kwargs: dict) -> None:

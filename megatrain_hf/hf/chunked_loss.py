@@ -104,6 +104,8 @@ class ChunkedLMLoss:
                     sums[name].add_(g)  # fp32 += (bf16 or fp32): exact conversion, one rounding
                 else:
                     sums[name] = g.to(torch.float32, copy=True)
+            g = None
+            del h, loss, inputs, grads  # this chunk's graph and gradients go before the next chunk's
         return (grad_hidden.view_as(x) if grad_hidden is not None else None), sums
 
 

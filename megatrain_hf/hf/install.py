@@ -27,7 +27,7 @@ from torch import nn
 
 from ..core.patcher import Patcher
 from ..core.readiness import zero_grad_after
-from .checks import SequenceLengthCheck, position_limit
+from .checks import SequenceLengthCheck, limit_reason, position_limit
 from .families import unwrap
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def install_model(patcher: Patcher, model: nn.Module, units: list[nn.Module], de
     limit = position_limit(text_config)
     if limit is not None:
         decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
-        check = SequenceLengthCheck(limit, getattr(text_config, "model_type", "?"))
+        check = SequenceLengthCheck(limit, getattr(text_config, "model_type", "?"), limit_reason(text_config))
         patcher.hook(decoder, decoder.register_forward_pre_hook(check, with_kwargs=True))
 
 

@@ -39,6 +39,8 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..core.patcher import Patcher
 from .install import wrapper_chain
+from .prequantized import Prequantized, find
+from .quantize import checkpoint_ranges
 from .shards import ShardReader, Stored, index_folder
 
 logger = logging.getLogger(__name__)
@@ -85,6 +87,7 @@ class DeferredWeights:
         self.pending: dict[int, tuple[str, Stored, torch.Tensor]] = {}  # storage address -> (key, where, base)
         self.reader = ShardReader()
         self.guards = Patcher()
+        self.prequantized: dict[str, Prequantized] = {}  # key -> a weight bitsandbytes stored quantized
 
     def placeholder(self, key: str, stored: Stored, requires_grad: bool) -> nn.Parameter:
         base = torch.full((), float("nan"))
@@ -100,11 +103,43 @@ class DeferredWeights:
             return None
         return hit[0], hit[1]
 
+    def prequantized_of(self, tensor: torch.Tensor) -> Prequantized | None:
+        """The bitsandbytes-quantized checkpoint weight ``tensor`` still owes, if it is one."""
+        hit = self.key_of(tensor)
+        return self.prequantized.get(hit[0]) if hit is not None else None
+
+    def stored_schemes(self, model: nn.Module) -> dict[int, str]:
+        """``id(param) -> scheme`` of the parameters the checkpoint holds quantized by bitsandbytes."""
+        found = ((p, self.prequantized_of(p)) for p in model.parameters())
+        return {id(p): q.scheme for p, q in found if q is not None}
+
+    def quantized_source(self, tensor: torch.Tensor):
+        """What copies ``tensor``'s stored bitsandbytes pieces into its quantized byte range, or None."""
+        stored = self.prequantized_of(tensor)
+        return None if stored is None else (lambda fmt, raw: stored.fill(fmt, raw, self.reader))
+
+    def stored_of(self, tensor: torch.Tensor) -> Stored | None:
+        """Where ``tensor`` is stored in the checkpoint, if it still holds its placeholder."""
+        hit = self.key_of(tensor)
+        return hit[1] if hit is not None else None
+
+    def ranges(self, tensor: torch.Tensor) -> Callable[[int, int, torch.Tensor], None] | None:
+        """What reads ranges of ``tensor``'s elements from the checkpoint (a base weight the store
+        quantizes chunk by chunk), or None."""
+        return checkpoint_ranges(self.reader, self.stored_of)(tensor)
+
     def source(self, tensor: torch.Tensor) -> Callable[[torch.Tensor], None] | None:
         """What fills ``tensor``'s slice of a host flat: a read of the checkpoint, or None (copy it)."""
         hit = self.key_of(tensor)
         if hit is None:
             return None
+        if hit[0] in self.prequantized:
+            raise ValueError(
+                f"megatrain: {hit[0]} is stored quantized by bitsandbytes ({self.prequantized[hit[0]].scheme}) in "
+                f"{self.path}, and this weight is not stored quantized here. Fix: wrap its Linear with PEFT LoRA and "
+                f"set MegaTrainConfig(base_quantization='{self.prequantized[hit[0]].scheme}'), or load the "
+                "unquantized checkpoint."
+            )
         stored = hit[1]
         return lambda dest: self.reader.read_into(stored, dest)
 
@@ -175,7 +210,13 @@ def _bind(model: nn.Module, deferred: DeferredWeights) -> None:
     used, missing, mismatched = set(), [], []
     for pid, p in params.items():
         key = next((c for n in names[pid] for c in _candidates(n, prefix) if c in tensors), None)
-        if key is None:
+        quantized = find(tensors, key, deferred.reader) if key is not None else None
+        if quantized is not None and quantized.shape == tuple(p.shape):  # read as stored when attached
+            deferred.prequantized[key] = quantized
+            used.update(quantized.keys)
+            stored = Stored(deferred.path, torch.uint8, quantized.shape, 0, 0)
+            torch.utils.swap_tensors(p, deferred.placeholder(key, stored, p.requires_grad))
+        elif key is None:
             missing.append(names[pid][0])
         elif tensors[key].shape != tuple(p.shape):
             mismatched.append(f"{key}: checkpoint {tensors[key].shape}, model {tuple(p.shape)}")

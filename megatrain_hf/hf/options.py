@@ -1,4 +1,4 @@
-"""The chunked loss's options (part of ``MegaTrainConfig``)."""
+"""The chunked loss's and the quantized base's options (part of ``MegaTrainConfig``)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,23 @@ class LossOptions:
     loss_chunk_tokens: Annotated[int | None, _positive_or_none] = None
     """Tokens per chunk of the chunked loss. `None`: about 2^26 logits per chunk (256 MB of fp32
     logits)."""
+
+
+def _check_scheme(name: str, value) -> None:
+    if value not in ("none", "int8", "nf4"):
+        raise ValueError(
+            f"MegaTrainConfig.{name}={value!r}; allowed: 'none', 'int8' (LLM.int8 row-wise absmax) or 'nf4' "
+            "(bitsandbytes NF4, blocks of 64, double-quantized absmax). fp4 and other schemes are not supported: "
+            "use 'nf4' for 4-bit."
+        )
+
+
+@dataclass(kw_only=True)
+class QuantOptions:
+    base_quantization: Annotated[Literal["none", "int8", "nf4"], _check_scheme] = "none"
+    """Store the frozen base weights of PEFT-wrapped Linear layers (LoRA) quantized in host RAM:
+    `"nf4"` (bitsandbytes' NF4: 0.52 B/param) or `"int8"` (LLM.int8 row-wise absmax: 1 B/param),
+    quantized once as they are loaded, streamed quantized (a quarter or half of the bf16 link
+    bytes) and dequantized on the device right before the unit computes, bit for bit as
+    bitsandbytes dequantizes. Adapters and `modules_to_save` keep fp32 masters and exact AdamW.
+    `"none"`: the base stays in the compute dtype. See docs/qlora.md."""

@@ -6,7 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from .host import DEFAULT_HEADROOM_BYTES, _check_int, gib
-from .plan import _COMPUTE_BYTES, _DTYPE_BY_NAME, LORA_TARGETS, _host_tiers, _layout, _offloaded_checkpoint_bytes
+from .activations import checkpoint_bytes
+from .plan import _COMPUTE_BYTES, _DTYPE_BY_NAME, LORA_TARGETS, _host_tiers, _layout
 from .shapes import PRESETS, ModelShape
 
 
@@ -50,10 +51,10 @@ class ModelFit:
 
 
 def _host_total(shape: ModelShape, compute_dtype: str, lora_rank: int | None, host_staging: bool = True,
-                offload_tokens: int = 0, optimizer_state: str = "fp32") -> int:
-    tiers = _host_tiers(_layout(shape, lora_rank, LORA_TARGETS), _DTYPE_BY_NAME[compute_dtype], host_staging,
-                        optimizer_state)
-    return sum(tiers.values()) + _offloaded_checkpoint_bytes(shape, offload_tokens)
+                offload_tokens: int = 0, base_quantization: str = "none", optimizer_state: str = "fp32") -> int:
+    tiers = _host_tiers(_layout(shape, lora_rank, LORA_TARGETS, base_quantization), _DTYPE_BY_NAME[compute_dtype],
+                        host_staging, optimizer_state)
+    return sum(tiers.values()) + checkpoint_bytes(offload_tokens, shape.hidden, shape.layers)
 
 
 def largest_model(
@@ -65,6 +66,7 @@ def largest_model(
     lora_rank: int | None = None,
     host_staging: bool = True,
     offload_tokens: int = 0,
+    base_quantization: str = "none",
     optimizer_state: str = "fp32",
 ) -> ModelFit:
     """The largest depth and the largest width of ``base`` whose host plan fits ``available_bytes``.
@@ -79,7 +81,7 @@ def largest_model(
 
     ``host_staging`` and ``offload_tokens`` (tokens whose activation checkpoints live in host RAM:
     sequence x micro-batch x micro-batches in flight, with ``offload_checkpoints``) plan what
-    :func:`plan_memory` plans with the same options.
+    :func:`plan_memory` plans with the same options (``base_quantization`` too).
     """
     _check_int("available_bytes", available_bytes, 0)
     if compute_dtype not in _COMPUTE_BYTES:
@@ -87,7 +89,8 @@ def largest_model(
     budget = available_bytes - headroom_bytes
 
     def total(shape: ModelShape) -> int:
-        return _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens, optimizer_state)
+        return _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens, base_quantization,
+                           optimizer_state)
 
     one, two = (total(base.with_layers(n)) for n in (1, 2))
     per_layer = two - one
@@ -143,6 +146,7 @@ def largest_preset(
     lora_rank: int | None = None,
     host_staging: bool = True,
     offload_tokens: int = 0,
+    base_quantization: str = "none",
     optimizer_state: str = "fp32",
 ) -> str | None:
     """Name of the real-size preset with the most parameters whose host plan fits, or ``None``
@@ -151,7 +155,45 @@ def largest_preset(
         (shape.params(), name)
         for name, shape in PRESETS.items()
         if name != "tiny"
-        and _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens, optimizer_state) + headroom_bytes
+        and _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens, base_quantization,
+                        optimizer_state) + headroom_bytes
         <= available_bytes
     ]
     return max(fitting)[1] if fitting else None
+
+
+# ---------------------------------------------------------------------------------------- longest sequence
+PLACEMENTS: tuple[tuple[bool, int], ...] = ((False, 1), (True, 1), (False, 2), (True, 2), (False, 4), (True, 4),
+                                            (False, 8), (True, 8))
+"""Where the activation checkpoints go, tried in this order: (offloaded to pinned host memory,
+``checkpoint_interval``). On the GPU first (no link traffic), then offloaded, then every k-th unit
+only (each k costs ~(k-1)/k of a forward more)."""
+
+
+def placement(shape: ModelShape, seq_len: int, gpu_bytes: int, host_bytes: int,
+              headroom_bytes: int = DEFAULT_HEADROOM_BYTES, **plan_options):
+    """The first of :data:`PLACEMENTS` whose plan fits the GPU and the host (the optimizer's state and
+    the offloaded checkpoints share the host RAM); None if none does."""
+    from .plan import plan_memory
+
+    for offload, interval in PLACEMENTS:
+        plan = plan_memory(shape, seq_len=seq_len, offload_checkpoints=offload, checkpoint_interval=interval,
+                           **plan_options)
+        if plan.gpu_total <= gpu_bytes and plan.host_total + headroom_bytes <= host_bytes:
+            return plan
+    return None
+
+
+def longest_sequence(shape: ModelShape, gpu_bytes: int, host_bytes: int, step: int = 1024, limit: int = 1 << 23,
+                     **plan_options):
+    """(the longest ``seq_len``, a multiple of ``step`` up to ``limit``, some placement fits; its plan),
+    or (0, None)."""
+    lo, hi, best = 0, limit // step, None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        plan = placement(shape, mid * step, gpu_bytes, host_bytes, **plan_options)
+        if plan is not None:
+            lo, best = mid, plan
+        else:
+            hi = mid - 1
+    return lo * step, best

@@ -13,7 +13,8 @@ import logging
 import psutil
 import torch
 
-from ..core.layout import TensorSpec, host_tiers, lay_out, wire_dtype
+from ..core.layout import TensorSpec, UnitSizes, host_tiers, lay_out, wire_dtype
+from ..core.quant import quant_format
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ TIER_LABELS = {
     "staging": "compute-dtype staging copies",
     "frozen": "frozen weights (wire dtype)",
     "checkpoints": "offloaded activation checkpoints",
+    "disk_slots": "RAM window of the disk tier",
+    "moments_in_ram": "AdamW moments kept in RAM",
 }
 
 
@@ -57,6 +60,7 @@ def host_breakdown_for_units(
     embedding_units: frozenset[int] = frozenset({0}),
     optimizer_state: bool | str = True,
     frozen_in_wire_dtype: bool = True,
+    quantize=None,
 ) -> dict[str, int]:
     """Exact host bytes per tier for real modules, walked the way ``HostStore`` walks them.
 
@@ -64,8 +68,19 @@ def host_breakdown_for_units(
     ``optimizer_state``: count ``HostAdamW``'s two moments per trainable element (True: fp32, or
     the ``optimizer_state`` format's name), False: not;
     ``frozen_in_wire_dtype``: frozen weights in the wire dtype, else in fp32 (``HostStore``'s). Tied
-    parameters (one tensor in two units) are counted once, frozen ones in their wire dtype only.
+    parameters (one tensor in two units) are counted once, frozen ones in their wire dtype only;
+    ``quantize(param)``: the scheme a frozen weight is stored in (``HostStore``'s), None: as is.
     """
+    sizes = unit_sizes(units, compute_dtype=compute_dtype, embedding_units=embedding_units,
+                       frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize)
+    return host_tiers(sizes, compute_dtype, staging=staging, optimizer_state=optimizer_state)
+
+
+def unit_sizes(units: list[tuple[str, torch.nn.Module]], *, compute_dtype: torch.dtype,
+               embedding_units: frozenset[int] = frozenset({0}), frozen_in_wire_dtype: bool = True,
+               quantize=None) -> list[UnitSizes]:
+    """Each unit's flat sizes, laid out as ``HostStore`` lays them out (``quantize``: as in
+    :func:`host_breakdown_for_units`)."""
     seen: set[int] = set()
     sizes = []
     for u, (_, module) in enumerate(units):
@@ -77,9 +92,14 @@ def host_breakdown_for_units(
             wire = wire_dtype(p.dtype, p.ndim, compute_dtype, embedding=u in embedding_units, name=name)
             if not p.requires_grad and not frozen_in_wire_dtype and wire.is_floating_point:
                 wire = torch.float32
+            scheme = quantize(p) if quantize is not None and not p.requires_grad else None
+            fmt = quant_format(scheme, tuple(p.shape), wire) if scheme is not None else None
+            if fmt is not None:
+                specs.append(TensorSpec(fmt.nbytes, False, torch.uint8))
+                continue
             specs.append(TensorSpec(p.numel(), p.requires_grad, wire))
         sizes.append(lay_out(specs))
-    return host_tiers(sizes, compute_dtype, staging=staging, optimizer_state=optimizer_state)
+    return sizes
 
 
 def check_host_memory(
@@ -130,11 +150,12 @@ def check_host_memory(
 
 
 def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
-          host_staging: bool | str, optimizer_state: bool | str, frozen_in_wire_dtype: bool = True) -> bool:
+          host_staging: bool | str, optimizer_state: bool | str, frozen_in_wire_dtype: bool = True,
+          quantize=None, extra: dict[str, int] | None = None) -> bool:
     """Raise with the arithmetic before allocating, rather than meet the OOM killer later.
 
     Returns whether to keep the host staging copy: with ``host_staging="auto"`` it is dropped when
-    that is what makes the plan fit.
+    that is what makes the plan fit. ``extra``: further host tiers (label -> bytes) to count.
     """
     # The model's current tensors are released as they move into the store: count their storages
     # (once each; a weight not read from its checkpoint yet holds one element)
@@ -145,7 +166,7 @@ def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[i
     def check(staging: bool) -> None:
         breakdown = host_breakdown_for_units(units, compute_dtype=compute_dtype, staging=staging,
                                              embedding_units=embedding_units, optimizer_state=optimizer_state,
-                                             frozen_in_wire_dtype=frozen_in_wire_dtype)
+                                             frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize) | (extra or {})
         check_host_memory(sum(breakdown.values()), breakdown, available=available)
 
     if host_staging is False:

@@ -27,6 +27,13 @@ def parse_size(name: str, value) -> int | None:
     )
 
 
+def _check_offload_dir(name: str, value) -> None:
+    if value is not None:
+        from ..core.disk_io import check_offload_dir
+
+        check_offload_dir(value)
+
+
 @dataclass(kw_only=True)
 class MemoryOptions:
     pin_memory: bool | Literal["auto"] = "auto"
@@ -68,6 +75,18 @@ class MemoryOptions:
     with the arithmetic if it does not fit. Turn off only where the OS reports less available
     memory than it will grant (e.g. VMs whose RAM grows on use): offloaded activation checkpoints
     then also take what they need without asking the OS first."""
+
+    offload_dir: Annotated[str | None, _check_offload_dir] = None
+    """A directory on a local disk for the disk tier ([disk tier](disk-tier.md)): with it, the AdamW
+    moments (8 B per trainable parameter) can live in files there instead of host RAM, read a few
+    units ahead of the update and written back behind it (the order is known: exact prefetch).
+    megatrain creates its own directory inside it (mode 0700, unique per run, removed at exit).
+    Where the moments go is `offload_state`'s choice. `None`: everything in RAM."""
+
+    offload_state: Literal["auto", "moments"] = "auto"
+    """With `offload_dir`: `"auto"` keeps the moments in RAM when the plan fits there and puts them on
+    disk when it does not (logged); `"moments"` puts them on disk whatever RAM there is. Refused
+    before allocating, with the arithmetic, when RAM + the free space of `offload_dir` are short."""
 
     def gpu_memory_bytes(self) -> int | None:
         """``max_gpu_memory`` in bytes (None without a budget)."""

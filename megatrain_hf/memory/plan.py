@@ -14,9 +14,12 @@ from typing import Any, Iterable
 import torch
 
 from ..core.grads import MAX_PENDING_SENDS
-from ..core.layout import MOMENT_FORMATS, TensorSpec, aligned, host_tiers, lay_out, wire_dtype
+from ..core.layout import MOMENT_FORMATS, aligned
 from ..core.layout import loss_chunk_tokens as loss_chunk
+from ..core.quant import DEQUANT_CHUNK_ELEMENTS, DEQUANT_TEMP_BYTES
+from . import activations
 from .host import DEFAULT_HEADROOM_BYTES, TIER_LABELS, GiB, _check_int, check_host_memory, gib
+from .model_layout import LORA_TARGETS, _host_tiers, _layout, _UnitLayout, _wire_bytes  # noqa: F401 (re-exported)
 from .shapes import ModelShape
 
 logger = logging.getLogger(__name__)
@@ -26,90 +29,6 @@ GPU_RUNTIME_ALLOWANCE_BYTES = 1 * GiB
 
 _COMPUTE_BYTES = {"bf16": 2, "bfloat16": 2, "fp32": 4, "float32": 4}
 _DTYPE_BY_NAME = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32}
-
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""Linear layers of a Llama-style decoder layer that LoRA can adapt (PEFT's module names)."""
-
-
-# ---------------------------------------------------------------------------------------- layout
-@dataclass(frozen=True)
-class _Tensor:
-    numel: int
-    matrix: bool  # ndim >= 2
-    trainable: bool
-    lora: bool = False  # a LoRA matrix (fp32 on the wire, whatever its shape)
-
-
-@dataclass(frozen=True)
-class _UnitLayout:
-    kind: str  # "embedding" | "layer" | "norm" | "head"
-    tensors: tuple[_Tensor, ...]
-    reads_embedding: bool = False  # a tied head computes with the embedding's fp32 flat
-
-    def specs(self, compute_dtype: torch.dtype) -> list[TensorSpec]:
-        """The tensors as the store lays them out, wire dtype by the store's own rule."""
-        return [
-            TensorSpec(t.numel, t.trainable, wire_dtype(torch.float32, 2 if t.matrix else 1, compute_dtype,
-                                                          embedding=self.kind == "embedding",
-                                                          name="lora_A.weight" if t.lora else ""))
-            for t in self.tensors
-        ]
-
-
-def _layer_layout(shape: ModelShape, layer: int, lora_rank: int | None, lora_targets: Iterable[str]) -> _UnitLayout:
-    lora = lora_rank is not None
-    full = not lora
-    tensors: list[_Tensor] = []
-    for lname, (fi, fo, bias) in shape.linears(layer).items():
-        tensors.append(_Tensor(fi * fo, True, full))
-        if bias:
-            tensors.append(_Tensor(fo, False, full))
-        if lora and lname in lora_targets:
-            tensors.append(_Tensor(lora_rank * fi, True, True, lora=True))  # lora_A: (r, in)
-            tensors.append(_Tensor(fo * lora_rank, True, True, lora=True))  # lora_B: (out, r)
-    tensors += [_Tensor(n, True, full) for n in shape.expert_tensors(layer).values()]  # router, experts
-    tensors += [_Tensor(n, False, full) for n in shape.norm_vectors()]
-    return _UnitLayout("layer", tuple(tensors))
-
-
-def _layout(shape: ModelShape, lora_rank: int | None, lora_targets: Iterable[str]) -> list[_UnitLayout]:
-    """The units as the store sees them (all layers alike, but an MoE model's dense layers)."""
-    full = lora_rank is None
-    table = shape.vocab * shape.hidden
-    layouts: dict[bool, _UnitLayout] = {}  # a layer's layout depends only on whether it routes experts
-    for layer in range(shape.layers):
-        if shape.is_moe_layer(layer) not in layouts:
-            layouts[shape.is_moe_layer(layer)] = _layer_layout(shape, layer, lora_rank, lora_targets)
-    units = [_UnitLayout("embedding", (_Tensor(table, True, full),))]
-    if shape.positions:  # learned positions: a second lookup table
-        units.append(_UnitLayout("embedding", (_Tensor(shape.positions * shape.hidden, True, full),)))
-    units += [layouts[shape.is_moe_layer(layer)] for layer in range(shape.layers)]
-    final_norm = [_Tensor(shape.hidden, False, full)] * (2 if shape.norm_bias else 1)
-    units.append(_UnitLayout("norm", tuple(final_norm)))
-    if shape.tied:
-        units.append(_UnitLayout("head", (), reads_embedding=True))
-    else:
-        units.append(_UnitLayout("head", (_Tensor(table, True, full),)))
-    return units
-
-
-def _wire_bytes(unit: _UnitLayout, compute_dtype: torch.dtype) -> int:
-    """Bytes of a unit's own tensors on the link."""
-    return sum(aligned(s.numel) * s.wire.itemsize for s in unit.specs(compute_dtype))
-
-
-def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_staging: bool = True,
-                optimizer_state: str = "fp32") -> dict[str, int]:
-    """Host bytes per tier; without ``host_staging`` the fp32 masters are sent and rounded on the device;
-    ``optimizer_state``: the moments' format (docs/optimizer-state.md)."""
-    return host_tiers([lay_out(u.specs(compute_dtype)) for u in units], compute_dtype, staging=host_staging,
-                      optimizer_state=optimizer_state)
-
-
-def _offloaded_checkpoint_bytes(shape: ModelShape, tokens: int) -> int:
-    """Activation checkpoints of ``tokens`` (all micro-batches in flight): every decoder layer's,
-    the final norm's and the head's input, fp32 (the residual stream of mixed-precision training)."""
-    return (shape.layers + 2) * tokens * shape.hidden * 4
 
 
 # ---------------------------------------------------------------------------------------- plan
@@ -157,13 +76,20 @@ class MemoryPlan:
     host_staging: int
     """Compute-dtype copy of trainable matrices of layers and lm_head (2 B each in bf16, none in fp32)."""
     host_frozen: int
-    """Frozen weights in their wire dtype (2 B for bf16 matrices, 4 B for vectors/embedding/fp32)."""
+    """Frozen weights in their wire dtype (2 B for bf16 matrices, 4 B for vectors/embedding/fp32), or
+    quantized (``base_quantization``: 0.52 B per NF4, 1 B per int8 parameter)."""
     host_checkpoints: int
     """With ``offload_checkpoints``: every activation checkpoint of the micro-batches in flight, in
     pinned host buffers (what ``gpu_checkpoints`` would hold otherwise); 0 without."""
 
     gpu_weight_slots: int
     """Two slots of the largest unit's weights in wire dtype: the unit computing + the one prefetched."""
+    sequence_tile_tokens: int | None = None
+    """Tokens per MLP tile (``sequence_tile_tokens`` resolved for this batch); None: untiled."""
+    checkpoint_interval: int = 1
+    """Every k-th unit keeps its checkpoint (``checkpoint_interval``)."""
+    gpu_recomputed_inputs: int = 0
+    """With ``checkpoint_interval=k``: the k-1 recomputed inputs of the block being back-propagated."""
     gpu_checkpoints: int
     """Activation checkpoints: one fp32 ``tokens x hidden`` tensor per decoder layer (plus the final
     norm's and lm_head's inputs) per micro-batch in flight. The only item that grows with depth."""
@@ -181,6 +107,11 @@ class MemoryPlan:
     fp32 gradients, ``tokens x vocab`` each."""
     gpu_runtime: int
     """Fixed allowance: CUDA context, cuBLAS workspaces, allocator slack."""
+    base_quantization: str = "none"
+    """How the LoRA-adapted base weights are stored and streamed (``"none"``, ``"int8"``, ``"nf4"``)."""
+    gpu_dequant: int = 0
+    """With ``base_quantization``: the largest unit's quantized weights dequantized to the compute
+    dtype (the resident unit's flat), plus the fp32 values and int32 codes of one dequantization chunk."""
     optimizer_state: str = "fp32"
     """Format of the AdamW moments planned (``MegaTrainConfig.optimizer_state``)."""
 
@@ -223,10 +154,12 @@ class MemoryPlan:
         return {
             "weight_slots": self.gpu_weight_slots,
             "checkpoints": self.gpu_checkpoints,
+            "recomputed_inputs": self.gpu_recomputed_inputs,
             "layer_working_set": self.gpu_layer_working_set,
             "weight_grads": self.gpu_weight_grads,
             "logits": self.gpu_logits,
             "runtime": self.gpu_runtime,
+            **({"dequant": self.gpu_dequant} if self.base_quantization != "none" else {}),
         }
 
     def check_host(self, available: int | None = None, headroom_bytes: int = DEFAULT_HEADROOM_BYTES) -> int:
@@ -246,6 +179,8 @@ class MemoryPlan:
         s = self.shape
         tokens = self.tokens_per_micro_batch
         lora = f", LoRA r={self.lora_rank}" if self.lora_rank is not None else ""
+        if self.base_quantization != "none":
+            lora += f" on a {self.base_quantization} base"
         lines = [
             f"memory plan: {s.name or 'model'}  ({self.total_params / 1e9:.2f} B params, "
             f"{self.trainable_params / 1e9:.2f} B trainable{lora}), compute {self.compute_dtype}",
@@ -267,15 +202,18 @@ class MemoryPlan:
         lines.append(f"  {'total':<{w - 2}}{gib(self.host_total):>9}{self.host_total / per:>9.2f}")
         lines.append("")
         lines.append(f"{'GPU (estimate)':<{w}}{'GiB':>9}")
-        n_ckpt = s.layers + 2
+        n_ckpt = activations.kept_checkpoints(s.layers, self.checkpoint_interval)
         gpu_labels = {
             "weight_slots": "weight slots (2 x largest unit, wire dtype)",
             "checkpoints": (f"checkpoints in transit (2 x {self.micro_batches_in_flight} micro-batch)"
                             if self.host_checkpoints else
                             f"checkpoints ({n_ckpt} units x {self.micro_batches_in_flight} micro-batch)"),
-            "layer_working_set": "one layer's recompute working set",
+            "recomputed_inputs": f"inputs of a block (checkpoint_interval={self.checkpoint_interval})",
+            "layer_working_set": "one layer's recompute working set" + (
+                f" (MLP tiles of {self.sequence_tile_tokens})" if self.sequence_tile_tokens else ""),
             "weight_grads": f"weight grads, fp32 ({MAX_PENDING_SENDS + 2} x largest unit)",
             "logits": "logits + loss (tokens or one chunk x vocab)",
+            "dequant": f"dequantized base ({self.base_quantization}: largest unit)",
             "runtime": "CUDA context + workspaces (allowance)",
         }
         for key, value in self.gpu_breakdown().items():
@@ -298,7 +236,10 @@ def plan_memory(
     lora_rank: int | None = None,
     lora_targets: Iterable[str] = LORA_TARGETS,
     offload_checkpoints: bool = False,
+    base_quantization: str = "none",
     optimizer_state: str = "fp32",
+    sequence_tile_tokens: int | str | None = "auto",
+    checkpoint_interval: int = 1,
 ) -> MemoryPlan:
     """Plan the host tiers (exact) and the GPU items (estimate) of training ``shape``.
 
@@ -309,7 +250,11 @@ def plan_memory(
     layer are trainable, every base weight frozen) instead of full fine-tuning.
     ``offload_checkpoints``: the checkpoints live in host RAM; the GPU holds two per micro-batch
     in flight (the one going down, the one coming back up).
+    ``base_quantization``: ``"int8"`` / ``"nf4"`` store and stream the LoRA-adapted base weights
+    quantized (needs ``lora_rank``), as ``MegaTrainConfig(base_quantization=...)``.
     ``optimizer_state``: the AdamW moments' format, ``"fp32"``, ``"bf16"``, ``"8bit"`` or ``"4bit"``.
+    in flight (the one going down, the one coming back up). ``sequence_tile_tokens`` and
+    ``checkpoint_interval``: the options of the same names (``activations.py``).
     """
     _check_int("seq_len", seq_len)
     _check_int("micro_batch", micro_batch)
@@ -328,10 +273,15 @@ def plan_memory(
                 f"lora_targets={list(lora_targets)!r}: unknown or empty ({unknown}); allowed: a non-empty "
                 f"subset of {list(LORA_TARGETS)}."
             )
+    if base_quantization not in ("none", "int8", "nf4"):
+        raise ValueError(f"base_quantization={base_quantization!r}; allowed: 'none', 'int8' or 'nf4'.")
+    if base_quantization != "none" and lora_rank is None:
+        raise ValueError(f"base_quantization={base_quantization!r} quantizes frozen LoRA base weights; a full "
+                         "fine-tune trains every weight in fp32. Fix: also give lora_rank (--lora-rank R).")
     cbytes = _COMPUTE_BYTES[compute_dtype]
     dtype_name = "bf16" if cbytes == 2 else "fp32"
     dtype = _DTYPE_BY_NAME[compute_dtype]
-    units = _layout(shape, lora_rank, lora_targets)
+    units = _layout(shape, lora_rank, lora_targets, base_quantization)
     if optimizer_state not in MOMENT_FORMATS:
         raise ValueError(f"optimizer_state={optimizer_state!r} is not known; allowed: {list(MOMENT_FORMATS)}.")
     tiers = _host_tiers(units, dtype, host_staging, optimizer_state)
@@ -358,8 +308,9 @@ def plan_memory(
     if shape.experts:  # a token's routed experts and the shared one (dense layers: the dense MLP)
         routed = shape.experts_per_token * shape.expert_intermediate + shape.shared_expert_intermediate
         i = max(routed, shape.intermediate if shape.dense_layers else 0)
-    per_token = cbytes * (2 * h + 2 * shape.q_dim + 2 * shape.kv_dim + 4 * i) + 4 * (6 * h)
-    checkpoints = _offloaded_checkpoint_bytes(shape, in_flight * tokens)
+    _check_int("checkpoint_interval", checkpoint_interval)
+    tile = activations.resolve_tile(sequence_tile_tokens, tokens, h, i, cbytes) if not shape.experts else None
+    checkpoints = activations.checkpoint_bytes(in_flight * tokens, h, shape.layers, checkpoint_interval)
     plan = MemoryPlan(
         shape=shape,
         seq_len=seq_len,
@@ -380,13 +331,19 @@ def plan_memory(
         host_checkpoints=checkpoints if offload_checkpoints else 0,
         gpu_weight_slots=2 * max(wire(u) for u in distinct),
         gpu_checkpoints=2 * in_flight * tokens * h * 4 if offload_checkpoints else checkpoints,
-        gpu_layer_working_set=tokens * per_token,
+        sequence_tile_tokens=tile,
+        checkpoint_interval=checkpoint_interval,
+        gpu_recomputed_inputs=activations.recomputed_inputs_bytes(tokens, h, checkpoint_interval),
+        gpu_layer_working_set=activations.layer_working_set(tokens, h, shape.q_dim, shape.kv_dim, i, cbytes, tile),
         gpu_weight_grads=(MAX_PENDING_SENDS + 2) * max(grads(u) for u in distinct),
         # chunked loss: one chunk's logits at a time; else every in-flight micro-batch's logits and
         # log-probs wait for the backward (layer-major: the step's one backward)
         gpu_logits=(min(tokens, loss_chunk(loss_chunk_tokens, shape.vocab)) if chunked_loss else in_flight * tokens)
         * shape.vocab * (cbytes + 12),
         gpu_runtime=GPU_RUNTIME_ALLOWANCE_BYTES,
+        base_quantization=base_quantization,
+        gpu_dequant=max(sum(t.numel for t in u.tensors if t.quant) for u in distinct) * cbytes
+        + (DEQUANT_TEMP_BYTES * DEQUANT_CHUNK_ELEMENTS if base_quantization != "none" else 0),
         optimizer_state=optimizer_state,
     )
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,

@@ -310,8 +310,12 @@ PRESETS: dict[str, ModelShape] = {
         _preset("llama-3.14b", 3072, 8192, 26, 24, 24, 32000),
         _preset("llama-7b", 4096, 11008, 32, 32, 32, 32000),  # Llama-2-7B: 6.74 B
         _preset("llama-13b", 5120, 13824, 40, 40, 40, 32000),  # Llama-2-13B: 13.0 B
+        _preset("llama3-8b", 4096, 14336, 32, 32, 8, 128256),  # Llama-3/3.1-8B: 8.03 B
+        _preset("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, attention_bias=True),  # Qwen2.5-7B: 7.62 B
         _preset("qwen2.5-14b", 5120, 13824, 48, 40, 8, 152064, attention_bias=True),  # 14.8 B
         _preset("llama-70b", 8192, 28672, 80, 64, 8, 32000),  # Llama-2-70B: 69.0 B
+        _preset("llama-3-70b", 8192, 28672, 80, 64, 8, 128256),  # Llama-3-70B: 70.6 B
+        _preset("mistral-large-123b", 12288, 28672, 88, 96, 8, 32768),  # Mistral-Large-2: 122.6 B
     )
 }
 """Named shapes for planning without a config.json (``--model llama-7b``)."""

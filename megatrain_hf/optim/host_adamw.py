@@ -17,6 +17,7 @@ NOTE: it subclasses ``torch.optim.Optimizer`` so that HF's LR schedulers, ``zero
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -57,6 +58,7 @@ class HostAdamW(torch.optim.Optimizer):
         kernel: str = "torch",
         device: torch.device | None = None,
         state: str = "fp32",
+        offload_dir: str | None = None, offload_window: int | None = None, offload_units=None,
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -68,6 +70,14 @@ class HostAdamW(torch.optim.Optimizer):
             raise ValueError(f"HostAdamW kernel={kernel!r}; allowed: 'torch' or 'native'")
         self.store = store
         self.format = format_of(state)  # refuses an unknown format, naming the allowed ones
+        self.offload_dir, self.offload_window, self._pager = offload_dir, offload_window, None  # _pager: PagedState
+        self._offload_units = None if offload_units is None else frozenset(offload_units)  # None: all units
+        if offload_dir is not None and self.format.mode != "fp32":
+            raise ValueError(
+                f"HostAdamW(state={state!r}, offload_dir={offload_dir!r}): compressed moments are kept in host RAM; "
+                "the disk tier pages fp32 moments only in this version. Fix: optimizer_state='fp32' with "
+                "offload_dir, or the compressed moments without offload_dir (8bit needs ~2 B/param of RAM)."
+            )
         self.device = device if device is not None else torch.device("cpu")  # where the uploads run
         self._native = None
         if kernel == "native":
@@ -128,7 +138,9 @@ class HostAdamW(torch.optim.Optimizer):
                         "does not hold as trainable; pass the parameters of the attached model."
                     )
                 plan[home[0]][gi].append(home[1])
-        self._plan = {u: dict(groups) for u, groups in sorted(plan.items())}
+        # under data parallelism every rank knows all units, and holds the state of its own only
+        self.all_units = sorted(plan)
+        self._plan = {u: dict(groups) for u, groups in sorted(plan.items()) if self.store.owns(u)}
         self._exp_avg: dict[int, torch.Tensor] = {}
         self._exp_avg_sq: dict[int, torch.Tensor] = {}
         self.moments: CompressedMoments | None = None  # the compressed moments (None: fp32 flats)
@@ -139,14 +151,35 @@ class HostAdamW(torch.optim.Optimizer):
         # one step counter per parameter, as torch's AdamW: a parameter without a gradient in a
         # step keeps its count (and its bias correction)
         self._steps: dict[tuple[int, int], list[torch.Tensor]] = {}
+        specs = {u: self.state_spec(u) for u in self._plan}
+        if self.offload_dir is not None:
+            from .paged_state import DEFAULT_WINDOW, PagedState
+
+            paged = {u: spec for u, spec in specs.items() if self._offload_units is None or u in self._offload_units}
+            self._pager = PagedState(self.offload_dir, paged, self.offload_window or DEFAULT_WINDOW)
         for u, groups in self._plan.items():
-            numel = self.store.buffers[u].master_host.numel()
-            if self.moments is None:
-                self._exp_avg[u] = self.store.allocate(numel, torch.float32).zero_()
-                self._exp_avg_sq[u] = self.store.allocate(numel, torch.float32).zero_()
+            if self.moments is None and not self._paged(u):
+                self._exp_avg[u] = self.store.allocate(specs[u]["exp_avg"][0], torch.float32).zero_()
+                self._exp_avg_sq[u] = self.store.allocate(specs[u]["exp_avg_sq"][0], torch.float32).zero_()
             for gi, entries in groups.items():
                 self._steps[(u, gi)] = [torch.zeros((), dtype=torch.float32) for _ in entries]
         self._build_state_views()
+
+    def state_spec(self, u: int) -> dict[str, tuple[int, torch.dtype]]:
+        """Unit ``u``'s contiguous state tensors: name -> (elements, dtype); the disk tier pages these as bytes."""
+        if self.moments is not None:  # the codes and scales (or bf16 moments) of the compressed format
+            return {name: (t.numel(), t.dtype) for name, t in self.moments.tensors[u].items()}
+        numel = self.store.buffers[u].master_host.numel()
+        return {"exp_avg": (numel, torch.float32), "exp_avg_sq": (numel, torch.float32)}
+
+    def unit_state(self, u: int, write: bool = False):
+        """Unit ``u``'s state tensors, resident while the block runs (no update running: after :meth:`synchronize`);
+        ``write=True``: what the block changed is kept (written back when the state is on disk)."""
+        if self._paged(u):
+            return self._pager.resident(u, write)
+        if self.moments is not None:
+            return contextlib.nullcontext(self.moments.tensors[u])
+        return contextlib.nullcontext({"exp_avg": self._exp_avg[u], "exp_avg_sq": self._exp_avg_sq[u]})
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Copy a saved state into the host flats, tensor by tensor, from any device.
@@ -163,25 +196,32 @@ class HostAdamW(torch.optim.Optimizer):
         loaded = {p: saved[i] for i, p in zip(ids, params) if i in saved}
         self._build_state_views()
         for u, groups in self._plan.items():
-            for gi, entries in groups.items():
-                for e, step in zip(entries, self._steps[(u, gi)]):
-                    src = loaded.get(e.tensor, {})
-                    step.fill_(float(src["step"]) if "step" in src else 0.0)
-                    for k, key in enumerate(("exp_avg", "exp_avg_sq")):
-                        value = src[key].reshape(e.shape) if key in src else None  # None: a fresh start
-                        if self.moments is not None:  # compressed from the saved fp32 values
-                            self.moments.of(u, e).assign(self.format, k, value if value is not None else
-                                                         torch.zeros(e.numel))
-                        elif value is not None:
-                            self.state[e.tensor][key].copy_(value)
-                        else:
-                            self.state[e.tensor][key].zero_()
+            if self.moments is not None:  # compressed from the saved fp32 values
+                for gi, entries in groups.items():
+                    for e, step in zip(entries, self._steps[(u, gi)]):
+                        src = loaded.get(e.tensor, {})
+                        step.fill_(float(src["step"]) if "step" in src else 0.0)
+                        for k, key in enumerate(("exp_avg", "exp_avg_sq")):
+                            value = src[key].reshape(e.shape) if key in src else torch.zeros(e.numel)
+                            self.moments.of(u, e).assign(self.format, k, value)
+                continue
+            with self.unit_state(u, write=True) as flats:
+                for gi, entries in groups.items():
+                    for e, step in zip(entries, self._steps[(u, gi)]):
+                        src = loaded.get(e.tensor, {})
+                        step.fill_(float(src["step"]) if "step" in src else 0.0)
+                        for key in ("exp_avg", "exp_avg_sq"):
+                            view = flats[key][e.offset : e.offset + e.numel].view(e.shape)
+                            if key in src:
+                                view.copy_(src[key].reshape(e.shape))
+                            else:  # no saved state: a fresh start, as torch's AdamW would make
+                                view.zero_()
 
     def _build_state_views(self) -> None:
         for u, groups in self._plan.items():
             for gi, entries in groups.items():
                 for e, step in zip(entries, self._steps[(u, gi)]):
-                    if self.moments is not None:  # no fp32 views: state_dict() expands a copy
+                    if self.moments is not None or self._paged(u):  # no fp32 views: a copy is built
                         self.state[e.tensor] = {"step": step}
                         continue
                     self.state[e.tensor] = {
@@ -216,6 +256,9 @@ class HostAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.synchronize()
+        sharding = self.store.sharding
+        if sharding is not None:  # the owners' gradient sums become means (DDP's average)
+            sharding.take_mean(self.store.held_grads())
         clip, self._clip = self._clip, None
         if self._skip_next:
             self._skip_next = False
@@ -228,6 +271,9 @@ class HostAdamW(torch.optim.Optimizer):
                 "HostAdamW worker thread is not running (the optimizer was closed, or the thread ended); "
                 "build a new optimizer or restart from the last checkpoint"
             )
+        if sharding is not None:
+            for u in self.all_units:  # every rank: the units' masters change (here or on their owner)
+                self.store.gates.bump(u)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no upload still reads a staging flat the update rewrites
         jobs = []  # snapshot everything first: a failure here leaves no unit marked busy
@@ -251,8 +297,8 @@ class HostAdamW(torch.optim.Optimizer):
             steps=[s["step"] for s in states],
             params=[e.tensor for e in updated],
             grads=[e.tensor.grad for e in updated],
-            exp_avgs=[s["exp_avg"] for s in states] if compressed is None else [],
-            exp_avg_sqs=[s["exp_avg_sq"] for s in states] if compressed is None else [],
+            exp_avgs=[s["exp_avg"] for s in states] if compressed is None and "exp_avg" in states[0] else [],
+            exp_avg_sqs=[s["exp_avg_sq"] for s in states] if compressed is None and "exp_avg" in states[0] else [],
             lr=lr.clone() if isinstance(lr, torch.Tensor) else lr,
             beta1=group["betas"][0],
             beta2=group["betas"][1],
@@ -283,6 +329,9 @@ class HostAdamW(torch.optim.Optimizer):
                 if not self._queue:
                     return
                 job = self._queue.popleft()
+                ahead = [j.unit for j in self._queue if self._paged(j.unit)][: self._pager.ahead if self._pager else 0]
+            if self._paged(job.unit) or ahead:
+                self._pager.prefetch([job.unit] * self._paged(job.unit) + ahead)  # exact: the order is known
             self._run(job)
 
     def _run(self, job: UnitJob, on_device: bool = False) -> None:
@@ -304,6 +353,16 @@ class HostAdamW(torch.optim.Optimizer):
                 self._cond.notify_all()
 
     def _update(self, job: UnitJob, on_device: bool) -> None:
+        # with the disk tier the moments' views are in a slot while the update runs
+        with self._pager.paged_in(job) if self._paged(job.unit) else contextlib.nullcontext():
+            self._update_resident(job)
+
+    disk_tier = property(lambda self: self._pager, doc="The PagedState of the moments on disk (None: all in RAM).")
+
+    def _paged(self, u: int) -> bool:
+        return self._pager is not None and u in self._pager.units
+
+    def _update_resident(self, job: UnitJob) -> None:
         u = job.unit
         staging_was_fresh = self.store.staging_fresh(u)
         for w in job.work:
@@ -341,9 +400,12 @@ class HostAdamW(torch.optim.Optimizer):
                 if not self._workers_alive():
                     raise RuntimeError("HostAdamW worker thread died")
         self.store.gates.raise_error()
+        if self._pager is not None:
+            self._pager.flush()  # the write-backs too: the files then hold the step's state
 
     def state_dict(self):
-        """torch AdamW's layout; compressed moments are expanded to fp32 copies (a full fp32 copy)."""
+        """torch AdamW's layout; compressed moments are expanded to fp32 copies, moments on disk read into RAM
+        (either way a full fp32 copy)."""
         self.synchronize()
         out = super().state_dict()
         if self.moments is not None:
@@ -355,6 +417,10 @@ class HostAdamW(torch.optim.Optimizer):
                         out["state"][index[id(e.tensor)]].update(
                             exp_avg=st.expand(self.format, 0).view(e.shape),
                             exp_avg_sq=st.expand(self.format, 1).view(e.shape))
+        if self._pager is not None:
+            from .paged_state import fill_state_dict
+
+            fill_state_dict(self, out)
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -362,10 +428,14 @@ class HostAdamW(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Stop the worker thread (after finishing pending updates)."""
-        if self._worker.is_alive():
-            self.synchronize()
-            self._wake.put(None)
-            self._worker.join(timeout=60)
+        try:
+            if self._worker.is_alive():
+                self.synchronize()
+                self._wake.put(None)
+                self._worker.join(timeout=60)
+        finally:
+            if self._pager is not None:
+                self._pager.close()  # removes the run's directory
 
     def __del__(self) -> None:
         wake = getattr(self, "_wake", None)

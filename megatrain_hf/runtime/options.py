@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or (isinstance(value, int) and value < 1):
+        raise ValueError(f"MegaTrainConfig.{name}={value!r}; allowed: an int >= 1"
+                         + (", 'auto' or None." if name == "sequence_tile_tokens" else "."))
 
 
 @dataclass(kw_only=True)
@@ -18,3 +24,20 @@ class RuntimeOptions:
     Trainer subclass overrides `training_step` (its per-call state would see another order).
     Activation checkpoints of all micro-batches of a step are alive at once on the GPU (see
     docs/memory.md)."""
+
+    sequence_tile_tokens: Annotated[int | Literal["auto"] | None, _positive_int] = "auto"
+    """Tokens per tile of a decoder layer's MLP inside its streamed compute and recompute: the MLP
+    runs over that many tokens at a time (its backward recomputes and back-propagates tile by tile),
+    so its `tokens x intermediate` activations exist for one tile only. Exact: the MLP is per-token
+    math (the weights' gradients are summed over the tiles in fp32). `"auto"`: tiles of
+    `max(hidden, 4096)` tokens, fewer when `max_gpu_memory` is set and a tile's MLP working set
+    would take more than 2% of it, and no tiling when a micro-batch has no more tokens than one
+    tile (see docs/long-context.md); an int: that tile; `None`: never tiled. Applies to MLPs built of
+    `nn.Linear` layers without dropout or hooks (mixture-of-experts blocks run whole)."""
+
+    checkpoint_interval: Annotated[int, _positive_int] = 1
+    """Keep the activation checkpoint (the input) of every k-th decoder layer only; the backward
+    recomputes the inputs of the layers in between from the last kept one (one more forward of
+    those layers, their weights fetched once more) and holds them for the block's backward. `1`:
+    every unit keeps its checkpoint. Cuts the checkpoint bytes (on the GPU, or on the host with
+    `offload_checkpoints`) by about k at the cost of ~(k-1)/k of a forward per step."""

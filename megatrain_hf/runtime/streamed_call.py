@@ -41,10 +41,11 @@ from torch.autograd.function import once_differentiable
 
 from ..core.grads import GradSink
 from ..core.layout import Entry
-from ..core.offload import Checkpoint
 from ..core.store import unfrozen_error
 from ..core.streamer import Streamer
 from ..core.template import HookRecord, Mirror, Template
+from .checkpoints import Checkpoints
+from .tiling import tileable_mlp, tiled
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class Call:
     hooks: HookRecord = field(default_factory=HookRecord)
     seen_at: list[int] = field(default_factory=list)  # positions in HookRecord.seen that are node outputs
     seen_shapes: list[tuple] = field(default_factory=list)  # (number seen, shapes of those outputs)
+    parent: Any = None  # checkpoint_interval > 1: the node whose output is this call's input (not kept)
 
 
 def autocast_state(device_type: str) -> tuple[bool, torch.dtype, bool]:
@@ -91,8 +93,9 @@ class StreamedUnit(torch.autograd.Function):
     def forward(ctx, runner: "UnitRunner", call: Call, anchor: torch.Tensor, x: torch.Tensor):
         ctx.runner, ctx.call = runner, call
         ctx.set_materialize_grads(False)  # seen outputs nobody differentiates get no zeros
-        ctx.ckpt = runner.offload_checkpoint(x)
-        if ctx.ckpt is None:
+        ctx.parent, ctx.recomputed, call.parent = call.parent, None, None  # checkpoint_interval > 1
+        ctx.ckpt = runner.offload_checkpoint(x) if ctx.parent is None else None
+        if ctx.ckpt is None and ctx.parent is None:
             ctx.save_for_backward(x)  # the activation checkpoint of this unit
         tensors = runner.streamer.fetch(call.unit)
         out = runner.compute(call, x, tensors)
@@ -118,12 +121,7 @@ class StreamedUnit(torch.autograd.Function):
             )
         runner.at_backward_end()
         try:
-            if ctx.ckpt is None:
-                (x,) = ctx.saved_tensors
-            else:  # back from the host; the micro-batch's previous checkpoint starts its way up
-                x = runner.offload.load(ctx.ckpt)
-                runner.offload.prefetch(ctx.ckpt.prev)
-                ctx.ckpt.prev = None
+            x = runner.input_of(ctx)
             if grad_out is None:  # the output reached no loss: zero gradients, as autograd materializes
                 shape, dtype, device = ctx.out_like
                 grad_out = torch.zeros(shape, dtype=dtype, device=device)
@@ -134,7 +132,7 @@ class StreamedUnit(torch.autograd.Function):
         return None, None, None, grad_x
 
 
-class UnitRunner:
+class UnitRunner(Checkpoints):
     """Runs streamed calls of an engine's units (see module docstring).
 
     What a unit's call looks like is the model family's business, handed in: ``input_kwargs``, the
@@ -160,6 +158,10 @@ class UnitRunner:
         self.group = None  # the layer-major Group in progress (runtime/layer_major.py)
         self._chains: dict[int, weakref.ref] = {}  # micro-batch -> its last offloaded checkpoint
         self._end_queued = None  # graph-task id of the pass whose end callback is queued
+        # (tokens, hidden, intermediate width) -> tokens per MLP tile or None; set by the engine (None: never tiled)
+        self.tile_policy: Callable[[int, int, int], int | None] | None = None
+        self.checkpoint_interval = 1  # keep the checkpoint of every k-th call of a chain (the engine sets it)
+        self._last_out: dict[int, tuple] = {}  # micro-batch -> (its last output, its version, chain position)
 
     # ------------------------------------------------------------------ calls
     def call(self, u: int, args: tuple, kwargs: dict, kernel: Any = None) -> torch.Tensor:
@@ -188,6 +190,7 @@ class UnitRunner:
                 self.stats.count_tokens(x.numel(), seq)
                 self.budget.note_call(0, x.numel())
             self._chains.pop(self.microbatch_key(), None)  # a micro-batch's forward starts a new chain
+            self._last_out.pop(self.microbatch_key(), None)
         if not needs_graph:
             out = self.compute(call, x, self.streamer.fetch(u), hooks=False)
             self.streamer.prefetch(u + 1)
@@ -201,8 +204,11 @@ class UnitRunner:
                 call.dev_rng = torch.cuda.get_rng_state(self.device)
         group = self.group
         anchor = group.anchor_for_call(self.anchor) if group is not None else self.anchor
+        position = self._chain_position(call, x)
         out, token, *_ = StreamedUnit.apply(self, call, anchor, x)  # the seen outputs: kept by their hooks
-        if self.offload is None:
+        if self.checkpoint_interval > 1:
+            self._last_out[self.microbatch_key()] = (weakref.ref(out), out._version, position)
+        if self.offload is None and position == 0:
             self.budget.note_call(x.numel() * x.element_size(), 0)  # the checkpoint this call keeps
         if group is not None and group.record(token):
             self.grads.count_call(u)
@@ -230,7 +236,8 @@ class UnitRunner:
         call.hooks.seen = []
         module = unit.template.bind(tensors, unit.mirror, call.hooks if hooks else None, recompute)
         try:
-            with self._autocast(None):
+            with self._autocast(None), tiled(module, self._tile_for(module, x)) as tiling:
+                self.stats.tiled_calls += tiling
                 # forward, not __call__: the real unit's __call__ already ran its own hooks
                 if call.input_key is None:
                     out = module.forward(x, *call.args, **call.kwargs)
@@ -245,6 +252,16 @@ class UnitRunner:
             )
         self.stats.forward_units += 1
         return out
+
+    def _tile_for(self, module: nn.Module, x: torch.Tensor) -> int | None:
+        """Tokens per MLP tile for a call of ``module`` on ``x`` (None: untiled), by the tile policy."""
+        if self.tile_policy is None or x.dim() < 2 or not x.is_floating_point():
+            return None
+        mlp = tileable_mlp(module)
+        if mlp is None:
+            return None
+        width = max(m.out_features for m in mlp.modules() if isinstance(m, nn.Linear))
+        return self.tile_policy(x.numel() // x.shape[-1], x.shape[-1], width)
 
     def recompute_backward(self, call: Call, x: torch.Tensor, grad_out: torch.Tensor,
                            grad_seen: tuple = ()) -> torch.Tensor | None:
@@ -288,21 +305,6 @@ class UnitRunner:
         self.stats.backward_units += 1
         return grad_x
 
-    # ------------------------------------------------------------------ checkpoint offload
-    def microbatch_key(self) -> int:
-        group = self.group
-        return group.current.index if group is not None and group.current is not None else 0
-
-    def offload_checkpoint(self, x: torch.Tensor) -> Checkpoint | None:
-        """With offloaded checkpoints: ``x`` saved to the host, linked to its micro-batch's chain."""
-        if self.offload is None or not x.is_floating_point():
-            return None
-        key = self.microbatch_key()
-        last = self._chains.get(key)
-        ckpt = self.offload.save(x, last() if last is not None else None)
-        self._chains[key] = weakref.ref(ckpt)
-        return ckpt
-
     # ------------------------------------------------------------------ end of a backward pass
     def at_backward_end(self) -> None:
         """Once per backward pass: have autograd wait for the gradient sink when the pass ends.
@@ -321,6 +323,7 @@ class UnitRunner:
     def backward_failed(self) -> None:
         """autograd drops queued callbacks when a backward fails: undo what the pass had started."""
         self._end_queued = None
+        self._last_out.clear()
         self.streamer.drop_prefetched()
         self.grads.drop_held()
         try:
@@ -330,6 +333,7 @@ class UnitRunner:
 
     def backward_done(self) -> None:
         self._end_queued = None
+        self._last_out.clear()  # no forward continues a chain across a backward
         self.streamer.drop_prefetched()
         started = time.perf_counter()
         self.grads.wait()  # when backward() returns, every param.grad is complete

@@ -5,7 +5,8 @@
 
 ``--path megatrain``: ``megatrain_hf.from_pretrained(DIR)``, then ``attach``; ``--path transformers``:
 ``AutoModelForCausalLM.from_pretrained(DIR, dtype=torch.float32)``, then ``attach`` (the usual path).
-``--lora`` applies a LoRA adapter (PEFT) between loading and attaching. The same steps run first on a
+``--lora`` applies a LoRA adapter (PEFT) between loading and attaching; ``--base-quantization nf4|int8``
+puts it on every linear and quantizes their base weights as they are read (``base_quantization``). The same steps run first on a
 tiny model of the same class (imports, first-use initializations), then it prints one JSON line: the
 resident memory after that (``baseline``), the peak from there to the end of ``attach`` (``peak``,
 Linux's VmHWM, reset through /proc/self/clear_refs after the warm-up), the host bytes the
@@ -48,7 +49,7 @@ def make(folder: str, hidden: int, layers: int, dtype: str) -> None:
     model.save_pretrained(folder, max_shard_size="100MB")  # buffers are not saved (the model computes them)
 
 
-def _load_and_attach(folder: str, path: str, lora: bool, bf16: bool):
+def _load_and_attach(folder: str, path: str, lora: bool, bf16: bool, quant: str = "none"):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -61,12 +62,14 @@ def _load_and_attach(folder: str, path: str, lora: bool, bf16: bool):
     if lora:
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
-    config = megatrain_hf.MegaTrainConfig(check_host_memory=False)
+        targets = ["q_proj", "v_proj"] if quant == "none" else ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets))
+    config = megatrain_hf.MegaTrainConfig(check_host_memory=False, base_quantization=quant)
     return model, megatrain_hf.attach(model, config, device="cpu", bf16=bf16)
 
 
-def _warm_up(folder: str, path: str, lora: bool, bf16: bool) -> None:
+def _warm_up(folder: str, path: str, lora: bool, bf16: bool, quant: str) -> None:
     """The same steps on a tiny model of the same class: imports and first-use work out of the measurement."""
     import gc
     import tempfile
@@ -78,7 +81,7 @@ def _warm_up(folder: str, path: str, lora: bool, bf16: bool) -> None:
                    "num_key_value_heads": 1, "vocab_size": 128})
     with tempfile.TemporaryDirectory() as tiny:
         AutoModelForCausalLM.from_config(config).save_pretrained(tiny)
-        model, engine = _load_and_attach(tiny, path, lora, bf16)
+        model, engine = _load_and_attach(tiny, path, lora, bf16, quant)
         engine.detach()
         del model, engine
     gc.collect()
@@ -100,21 +103,24 @@ def save(model, engine, out: str) -> dict:
     return {"save_baseline": baseline * 1024, "save_peak": status_kib("VmHWM") * 1024}
 
 
-def load(folder: str, path: str, lora: bool, bf16: bool, out: str | None = None) -> dict:
+def load(folder: str, path: str, lora: bool, bf16: bool, out: str | None = None, quant: str = "none") -> dict:
+    from megatrain_hf.hf.quantize import quantized_weights
     from megatrain_hf.memory import host_breakdown_for_units
 
-    _warm_up(folder, path, lora, bf16)
+    _warm_up(folder, path, lora, bf16, quant)
     baseline = status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS: the peak from here on
-    model, engine = _load_and_attach(folder, path, lora, bf16)
+    model, engine = _load_and_attach(folder, path, lora, bf16, quant)
     peak = status_kib("VmHWM")
+    schemes = quantized_weights(model, quant)
     located = engine.family.locate(model)
     plan = host_breakdown_for_units(list(zip(located.names, located.modules)), compute_dtype=engine.compute_dtype,
                                     staging=engine.store.staging, embedding_units=located.embedding_units,
-                                    optimizer_state=False)
+                                    optimizer_state=False, quantize=lambda p: schemes.get(id(p)))
     on_disk = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".safetensors"))
-    result = {"path": path, "lora": lora, "bf16": bf16, "baseline": baseline * 1024, "peak": peak * 1024,
+    quantized = sum(e.numel for entries in engine.store.entries for e in entries if e.quant is not None)
+    result = {"path": path, "lora": lora, "bf16": bf16, "base_quantization": quant, "quantized": quantized, "baseline": baseline * 1024, "peak": peak * 1024,
               "store": engine.store.host_bytes(), "plan": sum(plan.values()), "checkpoint": on_disk,
               "params": sum(p.numel() for p in model.parameters())}
     if out is not None:
@@ -133,11 +139,12 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--bf16", action="store_true")
     parser.add_argument("--save")
+    parser.add_argument("--base-quantization", choices=["none", "int8", "nf4"], default="none")
     args = parser.parse_args()
     if args.make:
         make(args.make, args.hidden, args.layers, args.dtype)
     if args.load:
-        json.dump(load(args.load, args.path, args.lora, args.bf16, args.save), sys.stdout)
+        json.dump(load(args.load, args.path, args.lora, args.bf16, args.save, args.base_quantization), sys.stdout)
         print()
 
 

@@ -54,10 +54,12 @@ def install(patcher: Patcher, trainer) -> None:
 
     def _save_optimizer_and_scheduler(output_dir):
         optimizer = host_adamw(trainer)
-        if optimizer is None or not trainer.args.should_save:
+        sharded = optimizer is not None and optimizer.store.sharding is not None  # every rank writes its units
+        if optimizer is None or not (trainer.args.should_save or sharded):
             return original_save_opt(output_dir)
         save_optimizer(optimizer, os.path.join(output_dir, OPTIMIZER_DIR))
-        _save_scheduler(trainer, output_dir)
+        if trainer.args.should_save:
+            _save_scheduler(trainer, output_dir)
 
     def _load_optimizer_and_scheduler(checkpoint):
         sharded = checkpoint is not None and has_sharded_optimizer(checkpoint)
@@ -133,16 +135,22 @@ def _staged_save_checkpoint(trainer, patcher: Patcher, original_save, original_g
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
     args = trainer.args
-    if args.push_to_hub or not args.should_save:  # the hub upload reads the folder in the background
-        return original_save(model, trial)
+    optimizer = host_adamw(trainer)
+    sharding = optimizer.store.sharding if optimizer is not None else None
+    if args.push_to_hub or not (args.should_save or sharding is not None):
+        return original_save(model, trial)  # (the hub upload reads the folder in the background)
     run_dir = original_get_output_dir(trial=trial)
     name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
     final = os.path.join(run_dir, name)
-    staging_root = os.path.join(run_dir, _STAGING.format(name=name, pid=os.getpid()))
-    os.makedirs(run_dir, exist_ok=True)
-    _remove_stale_staging(run_dir)
-    shutil.rmtree(staging_root, ignore_errors=True)
-    os.makedirs(staging_root)
+    pid = os.getpid() if sharding is None else sharding.rank0_pid()  # one staging folder for all ranks
+    staging_root = os.path.join(run_dir, _STAGING.format(name=name, pid=pid))
+    if args.should_save:
+        os.makedirs(run_dir, exist_ok=True)
+        _remove_stale_staging(run_dir)
+        shutil.rmtree(staging_root, ignore_errors=True)
+        os.makedirs(staging_root)
+    if sharding is not None:
+        sharding.barrier()  # the staging folder exists before any rank writes into it
     staged = os.path.join(staging_root, name)
     try:
         with patcher.temporarily(trainer, "_get_output_dir", lambda trial=None: staging_root):
@@ -150,6 +158,22 @@ def _staged_save_checkpoint(trainer, patcher: Patcher, original_save, original_g
     except BaseException:
         shutil.rmtree(staging_root, ignore_errors=True)
         raise
+    if sharding is not None:
+        sharding.barrier()  # every rank's shards are written
+        if not args.should_save:
+            sharding.barrier()  # rank 0 committed the folder
+            return
+        try:
+            _commit(trainer, args, run_dir, name, final, staging_root, staged)
+        finally:
+            sharding.barrier()
+        return
+    _commit(trainer, args, run_dir, name, final, staging_root, staged)
+
+
+def _commit(trainer, args, run_dir: str, name: str, final: str, staging_root: str, staged: str) -> None:
+    """Rename the staged checkpoint to its final name (atomically) and rotate (see module docstring)."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
     # Trainer's best-checkpoint rule looked in the staging root; apply it to the run directory.
     state = trainer.state

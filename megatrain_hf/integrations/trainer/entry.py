@@ -59,7 +59,9 @@ def config_options(offload_dir: Any = None, max_vram_gb: Any = None, optimizer_c
                    **options: Any) -> dict[str, Any]:
     """``init()``'s arguments as ``MegaTrainConfig`` fields (its own names mapped here, and only here)."""
     if offload_dir is not None:
-        raise _not_available("offload_dir", offload_dir, "a disk tier for the optimizer state")
+        if "offload_dir" in options:
+            raise ValueError(f"megatrain_hf.init(): got offload_dir twice ({offload_dir!r} and {options['offload_dir']!r})")
+        options["offload_dir"] = offload_dir  # MegaTrainConfig validates it (an existing, writable directory)
     if optimizer_compression is not False:
         if "optimizer_state" in options:
             raise ValueError(f"megatrain_hf.init(): got optimizer_compression={optimizer_compression!r} and "
@@ -81,7 +83,9 @@ def init(offload_dir: str | None = None, max_vram_gb: float | None = None, optim
     ``optimizer_compression``: compressed AdamW moments in host RAM (``MegaTrainConfig.optimizer_state``,
     docs/optimizer-state.md): ``True`` means ``"8bit"``, ``False`` ``"fp32"`` (exact, the default), or
     one of ``"bf16"``, ``"8bit"``, ``"4bit"``.
-    ``offload_dir`` (a disk tier) is refused with a ``ValueError``: not available in this version. Any other keyword is a ``MegaTrainConfig`` field (docs/configuration.md),
+    ``offload_dir``: a directory on a local disk for the disk tier (``MegaTrainConfig.offload_dir``; where the
+    AdamW moments go is ``offload_state``'s choice, docs/disk-tier.md). Any other keyword is a
+    ``MegaTrainConfig`` field (docs/configuration.md),
     e.g. ``init(compute_dtype="bf16", layer_major=False)``; an unknown one is refused. Calling ``init()``
     again replaces the config; ``megatrain_hf.disable()`` stops it.
     """

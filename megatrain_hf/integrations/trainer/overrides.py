@@ -31,7 +31,7 @@ from transformers import Trainer
 
 from ...core.patcher import Patcher
 from ...optim.host_adamw import HostAdamW, convertible
-from . import checkpoints, layer_major
+from . import checkpoints, distributed, layer_major
 from .checkpoints import host_adamw
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ def install(patcher: Patcher, plugin, trainer) -> None:
     _install_accelerator(patcher, plugin, trainer)
     checkpoints.install(patcher, trainer)
     layer_major.install(patcher, plugin, trainer)
+    distributed.install(patcher, plugin, trainer)
     engine = plugin.engine
     if plugin.config.chunked_loss == "auto" and type(trainer) is Trainer:
         # plain Trainer reads only the loss of a training forward; subclasses may read logits
@@ -96,6 +97,8 @@ def _host_optimizer(plugin, optimizer: torch.optim.Optimizer) -> HostAdamW:
     engine, config = plugin.engine, plugin.config
     kwargs = dict(host_threads=engine.host_threads, kernel=config.resolve_host_adamw_kernel(engine.device),
                   device=engine.device, state=config.optimizer_state)
+    if engine.state_tier.on_disk:  # the engine's plan put the moments on disk (offload_dir)
+        kwargs.update(offload_dir=config.offload_dir, offload_units=engine.state_tier.units)
     if config.device_update:
         from ...optim.device_update import DeviceShareAdamW
 
@@ -147,7 +150,7 @@ def _check_example_lengths(trainer, engine) -> None:
     a sized dataset of at most ``_SCAN_LIMIT`` examples. The per-forward check covers the rest."""
     from transformers.trainer_utils import has_length
 
-    from ...hf.checks import position_limit, sequence_too_long
+    from ...hf.checks import limit_reason, position_limit, sequence_too_long
     from ...hf.families import unwrap
 
     dataset = trainer.train_dataset
@@ -169,7 +172,8 @@ def _check_example_lengths(trainer, engine) -> None:
     longest = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[longest] > limit:
         raise sequence_too_long(lengths[longest], limit, getattr(text, "model_type", "?"),
-                                where=f"example {longest} of train_dataset ({type(dataset).__name__})")
+                                where=f"example {longest} of train_dataset ({type(dataset).__name__})",
+                                reason=limit_reason(text))
 
 
 def _arrow_lengths(dataset) -> list[int] | None:

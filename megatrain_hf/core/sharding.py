@@ -1,0 +1,157 @@
+"""Unit sharding over ``torch.distributed`` ranks: who owns a unit, and the collectives per unit.
+
+Data parallelism with host state sharded by unit: unit ``u`` has one *owner* rank,
+``u % world_size`` (interleaved, so every rank's CPU has updates to run throughout a step). Only the
+owner holds the unit's fp32 masters, gradient accumulator and optimizer state; other ranks lay the
+unit's parameters into a small ring of receive slots (``HostStore``) and, for every fetch of the
+unit, receive its masters by a broadcast from the owner. When a unit's backward has landed its
+gradients on the host, they are summed into the owner's accumulator (``reduce`` to the owner) and
+the other ranks drop theirs. The global gradient norm is the all-reduced sum of the owners'
+squares.
+
+The collectives run on the host flats over a gloo group (host RAM is where these tensors live, on
+CPU and GPU runs alike). Every rank runs the same model code on the same number of batches, so the
+calls line up: the order of fetches and gradient sends is the model's own order on each rank. Two
+groups keep two threads apart: ``weights`` (fetches: the training thread) and ``grads`` (the
+gradient worker on CUDA, the training thread on the CPU). A collective that waits longer than
+``timeout`` raises on every rank (gloo's timeout), naming the unit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class UnitSharding:
+    """Owner map and per-unit collectives of one data-parallel process group."""
+
+    def __init__(self, num_units: int, timeout_s: float = 300.0, rank: int | None = None,
+                 world_size: int | None = None) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("megatrain: unit sharding needs torch.distributed initialised (torchrun / accelerate "
+                               "launch); call torch.distributed.init_process_group first.")
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
+        self.num_units = num_units
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # gloo for host tensors, whatever the default backend is (NCCL on GPUs)
+        self.weights = dist.new_group(backend="gloo", timeout=timeout)
+        self.grads = dist.new_group(backend="gloo", timeout=timeout)
+        self.scalars = dist.new_group(backend="gloo", timeout=timeout)
+        self._needs_mean = False
+        logger.info("megatrain: data parallel over %d ranks (rank %d owns units %s)", self.world_size, self.rank,
+                    self.owned_units())
+
+    def owner(self, u: int) -> int:
+        return u % self.world_size
+
+    def owns(self, u: int) -> bool:
+        return self.owner(u) == self.rank
+
+    def owned_units(self) -> list[int]:
+        return [u for u in range(self.num_units) if self.owns(u)]
+
+    def _run(self, what: str, u: int, fn) -> None:
+        try:
+            fn()
+        except Exception as exc:
+            raise RuntimeError(
+                f"megatrain rank {self.rank}/{self.world_size}: the {what} of unit {u} failed ({exc}). Another "
+                "rank stopped or raised (its error is in its own output); every rank stops."
+            ) from exc
+
+    # ------------------------------------------------------------------ weights
+    def broadcast_master(self, u: int, flat: torch.Tensor) -> None:
+        """The owner's masters of unit ``u`` into ``flat`` on every rank (the owner's own flat is sent)."""
+        self._run("weight broadcast", u, lambda: dist.broadcast(flat, src=self.owner(u), group=self.weights))
+
+    # ------------------------------------------------------------------ gradients
+    def reduce_grad(self, u: int, flat: torch.Tensor) -> None:
+        """Sum every rank's gradient of unit ``u`` into the owner's ``flat``."""
+        self._run("gradient reduce", u, lambda: dist.reduce(flat, dst=self.owner(u), op=dist.ReduceOp.SUM,
+                                                            group=self.grads))
+        self._needs_mean = True
+
+    def take_mean(self, grads: list[torch.Tensor]) -> None:
+        """Once per optimizer step, before gradients are read: the owners' sums become means (DDP's average)."""
+        if self._needs_mean:
+            self._needs_mean = False
+            if grads:
+                torch._foreach_div_(grads, float(self.world_size))
+
+    def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a float scalar) summed over the ranks."""
+        out = value.detach().to(torch.float64).reshape(1).clone()
+        self._run("scalar all-reduce", -1, lambda: dist.all_reduce(out, group=self.scalars))
+        return out[0].to(value.dtype)
+
+    def gather_to(self, u: int, flat: torch.Tensor, dst: int = 0) -> None:
+        """The owner's ``flat`` of unit ``u`` into ``flat`` on rank ``dst`` (a point-to-point copy)."""
+        owner = self.owner(u)
+        if owner == dst:
+            return
+        if self.rank == owner:
+            self._run("gather", u, lambda: dist.send(flat, dst=dst, group=self.weights))
+        elif self.rank == dst:
+            self._run("gather", u, lambda: dist.recv(flat, src=owner, group=self.weights))
+
+    def rank0_pid(self) -> int:
+        """Rank 0's process id, on every rank (names a folder all ranks write into)."""
+        import os
+
+        pid = torch.tensor([os.getpid()], dtype=torch.int64)
+        self._run("pid broadcast", -1, lambda: dist.broadcast(pid, src=0, group=self.scalars))
+        return int(pid[0])
+
+    def barrier(self) -> None:
+        self._run("barrier", -1, lambda: dist.barrier(group=self.scalars))
+
+
+class ReceiveSlots:
+    """The receive slots of the units another rank owns: a ring of master (and staging) slots, one
+    for the unit computing and those being uploaded (``master_slots``), and a ring of gradient
+    slots, one per gradient send still in flight (``grad_slots``). On the CPU one of each: the
+    computation reads the slot directly and the gradients are reduced before the next unit's land.
+    A unit is given the slot of its position among the remote units."""
+
+    def __init__(self, store, master_slots: int, grad_slots: int) -> None:
+        sizes = [store._sizes[u] for u in store.remote]
+        largest = max(s.n_train for s in sizes)
+        staged = max(s.n_staged for s in sizes)
+        self.masters = [store.allocate(largest, torch.float32) for _ in range(master_slots)]
+        self.grads = [store.allocate(largest, torch.float32) for _ in range(grad_slots)]
+        self.staging = ([store.allocate(staged, store.compute_dtype) for _ in range(master_slots)]
+                        if store.staging and staged else [])
+        self.order = {u: i for i, u in enumerate(sorted(store.remote))}
+
+    def lay_out(self, u: int, bufs, sizes) -> None:
+        i = self.order[u]
+        bufs.master_host = self.masters[i % len(self.masters)][: sizes.n_train]
+        bufs.grad_host = self.grads[i % len(self.grads)][: sizes.n_train]
+        bufs.n_staged = sizes.n_staged
+        if self.staging and sizes.n_staged:
+            bufs.staging_host = self.staging[i % len(self.staging)][: sizes.n_staged]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.masters, *self.grads, *self.staging))
+
+
+def sharding_from_env(num_units: int, enabled, timeout_s: float) -> UnitSharding | None:
+    """A :class:`UnitSharding` when torch.distributed runs with more than one rank (``enabled``: True,
+    False or "auto"), else None."""
+    if enabled is False:
+        return None
+    running = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not running:
+        if enabled is True:
+            raise ValueError("megatrain: data_parallel=True but torch.distributed is not initialised with more "
+                             "than one rank. Fix: launch with torchrun / accelerate launch --num_processes N, "
+                             "or data_parallel='auto'.")
+        return None
+    return UnitSharding(num_units, timeout_s)

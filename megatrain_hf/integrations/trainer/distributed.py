@@ -1,0 +1,92 @@
+"""Trainer under data parallelism (``torchrun``, ``accelerate launch --num_processes N``).
+
+The engine shards the host state by unit (``core/sharding.py``); here is what Trainer and Accelerate
+would otherwise do to such a model, per instance:
+
+* ``accelerator.prepare_model``: the megatrain model is returned as it is (no
+  ``DistributedDataParallel`` wrapper: the engine sums the gradients into their owners itself, and
+  accelerate's check of device-mapped models does not apply); Trainer's distributed sampler,
+  ``gradient_accumulation_steps``, logging on rank 0 and its loss scaling are Trainer's own.
+* ``create_optimizer``: only HostAdamW knows which rank owns which unit; another optimizer is refused.
+* ``save_model``: every rank takes part; rank 0 receives the other ranks' units one by one and
+  writes one ``save_pretrained`` folder (loadable by plain ``from_pretrained``).
+* ``_save_checkpoint``: every rank writes into the same staging folder (its optimizer shards and its
+  RNG state), then rank 0 commits it (``checkpoints.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ...core.patcher import Patcher
+from ...core.store import alias
+from ...optim.host_adamw import HostAdamW
+
+logger = logging.getLogger(__name__)
+
+
+def install(patcher: Patcher, plugin, trainer) -> None:
+    engine = plugin.engine
+    if engine is None or engine.sharding is None:
+        return
+    accelerator = trainer.accelerator
+    prepare_model = accelerator.prepare_model
+
+    def prepare_model_dp(model, device_placement=None, evaluation_mode=False):
+        if model is engine.model or getattr(model, "_megatrain_engine", None) is engine:
+            if model not in accelerator._models:
+                accelerator._models.append(model)
+            return model
+        return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    patcher.set_attr(accelerator, "prepare_model", prepare_model_dp)
+
+    create_optimizer = trainer.create_optimizer
+
+    def create_optimizer_dp(model=None):
+        optimizer = create_optimizer(model) if model is not None else create_optimizer()
+        if not isinstance(getattr(optimizer, "optimizer", optimizer), HostAdamW):
+            raise ValueError(
+                f"megatrain data parallelism over {engine.sharding.world_size} ranks needs its HostAdamW (each "
+                f"rank updates the units it owns), but the optimizer is {type(optimizer).__name__}. Fix: "
+                "optim='adamw_torch_fused' (or 'adamw_torch') and no optimizers=(...) argument, or run one process."
+            )
+        return optimizer
+
+    patcher.set_attr(trainer, "create_optimizer", create_optimizer_dp)
+
+    save = trainer._save
+
+    def save_model(output_dir=None, _internal_call=False):
+        state = gather_state_dict(engine, trainer.model)
+        if trainer.args.should_save:
+            output_dir = output_dir if output_dir is not None else trainer.args.output_dir
+            save(output_dir, state_dict=state)
+        engine.sharding.barrier()  # the folder is whole before any rank goes on (and reads it)
+
+    patcher.set_attr(trainer, "save_model", save_model)
+
+
+def gather_state_dict(engine, model: torch.nn.Module, dst: int = 0) -> dict | None:
+    """The model's full ``state_dict`` on rank ``dst`` (None elsewhere): the units another rank owns
+    are received unit by unit into fresh tensors (every rank must call it)."""
+    engine.synchronize()
+    store, sharding = engine.store, engine.sharding
+    received: dict[int, torch.Tensor] = {}
+    for u, bufs in enumerate(store.buffers):
+        if bufs.master_host is None or sharding.owner(u) == dst:
+            continue
+        flat = bufs.master_host if sharding.rank != dst else torch.empty_like(bufs.master_host)
+        sharding.gather_to(u, flat, dst)
+        if sharding.rank == dst:
+            received[u] = flat
+    if sharding.rank != dst:
+        return None
+    replace = {}
+    for u, flat in received.items():
+        for e in store.owned_trainable(u):
+            replace[id(e.tensor)] = alias(flat, e.offset, e.shape)
+    by_name = {name: replace[id(p)] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in replace}
+    return {k: by_name.get(k, v) for k, v in model.state_dict().items()}

@@ -1,0 +1,89 @@
+"""The activation arithmetic of long sequences: a unit's working set, tiles, checkpoints.
+
+Per token of a micro-batch, with ``h`` the hidden width, ``i`` the MLP's intermediate width,
+``q``/``kv`` the query and key/value widths and ``c`` the compute dtype's bytes:
+
+* a decoder layer's recompute with grad keeps q/k/v, the attention output and the residual
+  stream's tensors (``c * (2h + 2q + 2kv) + 4 * 6h``, as ``plan.py`` always counted) plus the
+  MLP's ``tokens x i`` intermediates (gate, up, activation, product: ``4 c i``);
+* sequence-tiled (``sequence_tile_tokens``), the MLP's intermediates exist for one tile:
+  ``tile * MLP_TILE_FACTOR * c * i`` (forward and backward of the tile), instead of ``tokens x``;
+* activation checkpoints: one fp32 ``tokens x h`` per unit that keeps one (every decoder layer,
+  the final norm's and the head's inputs), or with ``checkpoint_interval=k`` every k-th layer's
+  plus the inputs of the k-1 layers of the block being back-propagated (recomputed and held).
+"""
+
+from __future__ import annotations
+
+import math
+
+AUTO_TILE_MIN = 4096
+"""``sequence_tile_tokens="auto"``: tiles of ``max(hidden, AUTO_TILE_MIN)`` tokens (Snowflake
+ALST's TiledMLP tiles by about ``hidden`` tokens)."""
+
+TILE_BUDGET_FRACTION = 0.02
+"""Under ``max_gpu_memory``: a tile's MLP working set stays within this fraction of the budget."""
+
+TILE_FLOOR = 256
+"""No tile smaller than this (matmuls of fewer rows waste the GPU)."""
+
+MLP_TILE_FACTOR = 6
+"""``tokens x intermediate`` tensors alive while one MLP tile runs forward and backward: gate, up,
+activation and product kept for the backward, their two gradients in flight."""
+
+
+def mlp_tile_bytes(tile: int, intermediate: int, compute_bytes: int) -> int:
+    """Peak bytes of one MLP tile's recompute and backward."""
+    return tile * MLP_TILE_FACTOR * intermediate * compute_bytes
+
+
+def auto_tile_tokens(tokens: int, hidden: int, intermediate: int, compute_bytes: int,
+                     budget_bytes: int | None = None) -> int | None:
+    """``sequence_tile_tokens="auto"``: tokens per MLP tile, or None when one tile holds them all."""
+    tile = max(hidden, AUTO_TILE_MIN)
+    if budget_bytes:
+        fits = int(TILE_BUDGET_FRACTION * budget_bytes) // max(1, MLP_TILE_FACTOR * intermediate * compute_bytes)
+        tile = min(tile, max(TILE_FLOOR, fits))
+    return None if tokens <= tile else tile
+
+
+def resolve_tile(option: int | str | None, tokens: int, hidden: int, intermediate: int, compute_bytes: int,
+                 budget_bytes: int | None = None) -> int | None:
+    """The ``sequence_tile_tokens`` option for a call of ``tokens`` tokens: a tile, or None (untiled)."""
+    if option is None:
+        return None
+    if option == "auto":
+        return auto_tile_tokens(tokens, hidden, intermediate, compute_bytes, budget_bytes)
+    return None if tokens <= option else int(option)
+
+
+def tiles(tokens: int, tile: int | None) -> int:
+    return 1 if tile is None else math.ceil(tokens / tile)
+
+
+def layer_working_set(tokens: int, hidden: int, q_dim: int, kv_dim: int, intermediate: int, compute_bytes: int,
+                      tile: int | None = None) -> int:
+    """Recomputing one decoder layer with grad (module docstring): the attention part for every token,
+    the MLP's intermediates for every token, or for one tile of ``tile`` tokens."""
+    attention = tokens * (compute_bytes * (2 * hidden + 2 * q_dim + 2 * kv_dim) + 4 * 6 * hidden)
+    if tile is None or tile >= tokens:
+        return attention + tokens * 4 * compute_bytes * intermediate
+    return attention + mlp_tile_bytes(tile, intermediate, compute_bytes)
+
+
+def kept_checkpoints(layers: int, interval: int = 1) -> int:
+    """Units whose input stays as a checkpoint: every layer, the final norm and the head; with
+    ``checkpoint_interval=k`` every k-th of the chain of layers and norm, and the head."""
+    if interval <= 1:
+        return layers + 2
+    return math.ceil((layers + 1) / interval) + 1
+
+
+def checkpoint_bytes(tokens: int, hidden: int, layers: int, interval: int = 1) -> int:
+    """fp32 ``tokens x hidden`` per kept checkpoint (the residual stream of mixed-precision training)."""
+    return kept_checkpoints(layers, interval) * tokens * hidden * 4
+
+
+def recomputed_inputs_bytes(tokens: int, hidden: int, interval: int = 1) -> int:
+    """With ``checkpoint_interval=k``: the k-1 inputs of a block held on the device for its backward."""
+    return max(0, interval - 1) * tokens * hidden * 4

@@ -1,0 +1,175 @@
+"""The disk tier in the plan: where the optimizer state goes, and the refusal before allocating.
+
+:func:`tier_bytes` is the arithmetic (disk bytes, RAM window, bytes read and written per optimizer
+step) shared by the engine's admission and ``megatrain estimate``; :func:`admit_tiers` settles
+``offload_state`` against this machine's RAM and ``offload_dir``'s free space (``shutil.disk_usage``)
+and raises with the numbers when even RAM + disk are short.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+from ..core.disk_io import ALIGN, align_up, check_offload_dir
+from ..core.layout import UnitSizes
+from . import host as host_memory
+from .host import GiB, gib
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WINDOW = 4
+"""RAM slots of the disk tier (the unit updating, one written back behind it, two read ahead); the
+same number as ``optim/paged_state.py``'s default."""
+
+DISK_HEADROOM_BYTES = 1 * GiB
+"""Free space left on ``offload_dir``'s filesystem on top of the tier (logs, checkpoints' temp files)."""
+
+MOMENT_BYTES = 8  # HostAdamW: exp_avg + exp_avg_sq, fp32, per trainable element
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """The moments' placement and its bytes."""
+
+    on_disk: bool
+    units: tuple[int, ...] = ()  # the units whose moments are on disk (the others' are in RAM)
+    disk_bytes: int = 0  # the files of the tier
+    ram_bytes: int = 0  # the RAM window (slots) that pages them
+    read_per_step: int = 0  # bytes read from disk per optimizer step (every unit once)
+    written_per_step: int = 0  # bytes written per optimizer step (every unit once)
+
+
+def tier_bytes(sizes: list[UnitSizes], window: int = DEFAULT_WINDOW, units: list[int] | None = None) -> DiskTier:
+    """The moments of ``units`` (default: every unit with trainable parameters) of units laid out as
+    ``sizes`` on disk: per unit one file, each moment ALIGN-aligned; ``window`` slots of the largest in RAM."""
+    units = [u for u, s in enumerate(sizes) if s.n_train] if units is None else units
+    per_unit = [2 * align_up(MOMENT_BYTES // 2 * sizes[u].n_train) for u in units]
+    total = sum(per_unit)
+    slot = max(per_unit + [ALIGN])
+    return DiskTier(True, tuple(units), total, min(window, len(units)) * slot, total, total)
+
+
+def disk_free_bytes(path: str) -> int:
+    return int(shutil.disk_usage(path).free)
+
+
+def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
+    """Raise ``MemoryError`` with the arithmetic unless ``needed`` + headroom fit in ``offload_dir``'s free space."""
+    path = check_offload_dir(offload_dir)
+    free = disk_free_bytes(path) if free is None else free
+    if needed + DISK_HEADROOM_BYTES <= free:
+        return
+    raise MemoryError(
+        f"megatrain's disk tier needs {gib(needed)} GiB in offload_dir={offload_dir!r} (+ {gib(DISK_HEADROOM_BYTES)} "
+        f"GiB headroom) but its filesystem has {gib(free)} GiB free:\n"
+        f"  AdamW moments (exp_avg + exp_avg_sq, fp32)   {gib(needed):>9} GiB\n"
+        f"  + headroom                                   {gib(DISK_HEADROOM_BYTES):>9} GiB\n"
+        f"  free on {path}   {gib(free):>9} GiB\n"
+        f"  short by                                     {gib(needed + DISK_HEADROOM_BYTES - free):>9} GiB\n"
+        "Fix: free space there, point offload_dir at a larger disk, or train a smaller model "
+        "(`megatrain estimate --offload-dir DIR` prints the largest that fits RAM + disk)."
+    )
+
+
+def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
+                host_staging: bool | str, optimizer_state: bool | str, frozen_in_wire_dtype: bool,
+                offload_dir: str | None, offload_state: str, check_ram: bool, quantize=None) -> tuple[bool, DiskTier]:
+    """The engine's admission with the disk tier: (keep the staging copy, the moments' placement).
+
+    ``offload_state="auto"``: the moments stay in RAM when the plan fits there, else the fewest units'
+    moments go to disk (the last units in update order first) that make it fit; ``"moments"``: every
+    unit's on disk whatever RAM there is. Without ``offload_dir``: RAM (``host.admit``).
+    ``optimizer_state``: the moments' format (False: no HostAdamW state); only fp32 moments page to disk.
+    ``quantize``: the quantized base's schemes (``host.host_breakdown_for_units``).
+    """
+    staging_default = host_staging is not False
+
+    def ram(moments: bool | str, extra: dict | None = None) -> bool:
+        if not check_ram:
+            return staging_default
+        return host_memory.admit(units, embedding_units, compute_dtype, host_staging, moments,
+                                 frozen_in_wire_dtype, quantize, extra=extra)
+
+    if offload_dir is None or optimizer_state is False:
+        return ram(optimizer_state), DiskTier(False)
+    if optimizer_state not in (True, "fp32"):
+        raise ValueError(f"offload_dir={offload_dir!r} with optimizer_state={optimizer_state!r}: the disk tier pages "
+                         "fp32 moments only in this version (compressed moments stay in host RAM). Fix: "
+                         "optimizer_state='fp32' with offload_dir, or leave offload_dir unset.")
+    check_offload_dir(offload_dir)
+    if offload_state == "auto":
+        try:
+            return ram(True), DiskTier(False)
+        except MemoryError:
+            pass
+    sizes = host_memory.unit_sizes(units, compute_dtype=compute_dtype, embedding_units=embedding_units,
+                                   frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize)
+    with_state = [u for u, s in enumerate(sizes) if s.n_train]
+
+    def split(k: int) -> tuple[DiskTier, dict]:  # the last k units' moments on disk
+        tier = tier_bytes(sizes, units=with_state[len(with_state) - k:])
+        kept = sum(MOMENT_BYTES * sizes[u].n_train for u in with_state[: len(with_state) - k])
+        return tier, {"disk_slots": tier.ram_bytes, "moments_in_ram": kept}
+
+    k = len(with_state)
+    if offload_state == "auto" and check_ram:
+        lo, hi = 0, k  # fits with hi on disk (else the full split raises below with its arithmetic)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            try:
+                ram(False, split(mid)[1])
+                hi = mid
+            except MemoryError:
+                lo = mid
+        k = hi
+    tier, extra = split(k)
+    check_disk(offload_dir, tier.disk_bytes)
+    staging = ram(False, extra)
+    logger.info("megatrain: AdamW moments of %d of %d units on disk (offload_dir=%s, offload_state=%r): %.2f GiB "
+                "on disk, %.2f GiB of RAM slots, %.2f GiB read and written per optimizer step", k, len(with_state),
+                offload_dir, offload_state, tier.disk_bytes / GiB, tier.ram_bytes / GiB, tier.written_per_step / GiB)
+    return staging, tier
+
+
+# ---------------------------------------------------------------------------------- planning from a shape
+def shape_tier(shape, compute_dtype: str = "bf16", lora_rank: int | None = None,
+               window: int = DEFAULT_WINDOW) -> DiskTier:
+    """:func:`tier_bytes` of a model shape (``memory/shapes.py``), as the store would lay it out."""
+    from .plan import _DTYPE_BY_NAME, LORA_TARGETS, _layout
+    from ..core.layout import lay_out
+
+    dtype = _DTYPE_BY_NAME[compute_dtype]
+    return tier_bytes([lay_out(u.specs(dtype)) for u in _layout(shape, lora_rank, LORA_TARGETS)], window)
+
+
+def ram_with_tier(plan, tier: DiskTier) -> int:
+    """Host RAM of ``plan`` (``MemoryPlan``) with its moments on disk: their window instead of them."""
+    return plan.host_total - plan.host_exp_avg - plan.host_exp_avg_sq + tier.ram_bytes
+
+
+def deepest_with_tier(shape, ram_available: int, disk_free: int, plan_of) -> tuple[int, int]:
+    """The most layers of ``shape`` that RAM + disk hold: the moments that RAM cannot keep go to disk
+    (``offload_state="auto"``, a unit at a time); (layers, params).
+
+    ``plan_of(shape)``: the ``MemoryPlan`` with the caller's options. Both sides grow with depth, so
+    a bisection finds it (0 when not even one layer fits)."""
+    def fits(layers: int) -> bool:
+        plan = plan_of(shape.with_layers(layers))
+        tier = shape_tier(plan.shape, plan.compute_dtype, plan.lora_rank)
+        base = ram_with_tier(plan, tier) + host_memory.DEFAULT_HEADROOM_BYTES  # every moment on disk
+        slot = tier.ram_bytes // DEFAULT_WINDOW
+        to_disk = max(0, base + tier.disk_bytes - ram_available)  # moments RAM cannot keep
+        to_disk = min(tier.disk_bytes, -(-to_disk // slot) * slot if to_disk else 0)  # whole units (at most)
+        return base <= ram_available and to_disk + DISK_HEADROOM_BYTES <= disk_free
+
+    lo, hi = 0, 1
+    while fits(hi) and hi < 1 << 16:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, shape.with_layers(lo).params() if lo else 0

@@ -1,0 +1,259 @@
+"""The disk tier of the optimizer state: each unit's state tensors in a file, paged through a window.
+
+A unit's optimizer state is whatever contiguous tensors the optimizer holds for it (HostAdamW:
+``exp_avg`` and ``exp_avg_sq``, fp32 flats laid out like the unit's master flat). They are paged as
+raw bytes, so any representation works: one file per unit in this run's directory, each tensor at
+an :data:`~megatrain_hf.core.disk_io.ALIGN`-aligned offset. RAM holds ``window`` *slots* (each the
+size of the largest unit's state); the update order is known in advance (forward order), so
+:meth:`PagedState.prefetch` reads exactly the next units while one updates, and
+:meth:`PagedState.release` writes the updated unit back behind it. A slot is reused once its
+write-back is done; a unit still in a slot is served from it without a read.
+
+Errors: a failed read raises from :meth:`acquire`; a failed write-back from the next
+:meth:`acquire` (every call polls the writes in flight) or from :meth:`flush`, and every later
+call raises it again (the file no longer holds the state: restart from the last checkpoint).
+The run directory and its files are removed by :meth:`close`, at garbage collection and at exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.disk_io import ALIGN, DONE, DiskIO, Pending, aligned_empty, align_up, create_run_dir, remove_run_dir
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_WINDOW = 4
+"""Slots in RAM: the unit updating, one written back behind it, two read ahead."""
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor
+    unit: int | None = None
+    read: Pending = DONE
+    write: Pending = DONE
+    in_use: bool = False
+
+
+@dataclass
+class _UnitFile:
+    name: str
+    fd: int
+    nbytes: int
+    tensors: dict[str, tuple[int, int, torch.dtype]] = field(default_factory=dict)  # name -> (offset, numel, dtype)
+
+
+def _cleanup(io: DiskIO, run_dir: str, names: list[str]) -> None:
+    io.shutdown()
+    remove_run_dir(run_dir, names)
+
+
+class PagedState:
+    """Per-unit state tensors on disk under ``offload_dir``; at most ``window`` units in RAM at once."""
+
+    def __init__(self, offload_dir: str, specs: dict[int, dict[str, tuple[int, torch.dtype]]],
+                 window: int = DEFAULT_WINDOW, io: DiskIO | None = None) -> None:
+        if window < 2:
+            raise ValueError(f"PagedState window={window}: must be >= 2 (one unit updating, one written back)")
+        self.io = io if io is not None else DiskIO()
+        self.run_dir = create_run_dir(offload_dir)
+        self._files: dict[int, _UnitFile] = {}
+        names: list[str] = []  # the files this run created (the only ones removed)
+        self._finalizer = weakref.finalize(self, _cleanup, self.io, self.run_dir, names)
+        for u, spec in specs.items():
+            tensors, offset = {}, 0
+            for key, (numel, dtype) in spec.items():
+                tensors[key] = (offset, numel, dtype)
+                offset += align_up(numel * dtype.itemsize)
+            name = f"unit-{u:05d}.state"
+            names.append(name)
+            fd = self.io.create(f"{self.run_dir}/{name}", offset)
+            self._files[u] = _UnitFile(name, fd, offset, tensors)
+        slot_bytes = max([f.nbytes for f in self._files.values()] + [ALIGN])
+        self._slots = [_Slot(aligned_empty(slot_bytes)) for _ in range(window)]
+        self.ahead = window - 2  # units read ahead of the one updating (one slot is left for the write-back)
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self.bytes_read = self.bytes_written = 0
+        self._taken = (0, 0)
+        logger.info("megatrain: optimizer state on disk in %s (%.2f GiB; %d RAM slots, %.2f GiB)", self.run_dir,
+                    self.disk_bytes() / 2**30, window, self.ram_bytes() / 2**30)
+
+    @property
+    def units(self):
+        """The units paged here (a view of the files' keys: cheap membership tests)."""
+        return self._files.keys()
+
+    def take_io_stats(self) -> tuple[int, int]:
+        """Bytes read and written since the last call."""
+        with self._lock:
+            out = self.bytes_read - self._taken[0], self.bytes_written - self._taken[1]
+            self._taken = (self.bytes_read, self.bytes_written)
+        return out
+
+    def disk_bytes(self) -> int:
+        return sum(f.nbytes for f in self._files.values())
+
+    def ram_bytes(self) -> int:
+        return sum(s.buffer.numel() for s in self._slots)
+
+    # ------------------------------------------------------------------ paging
+    def prefetch(self, units: list[int]) -> None:
+        """Start reading ``units`` (in this order) into free slots; stop at the first that finds none.
+        Never raises: a failed write-back stops it, and the next :meth:`acquire` raises that failure."""
+        with self._lock:
+            for slot in self._slots:
+                if slot.write.done():
+                    self._wait(slot.write)
+            if self._error is not None:
+                return
+            for u in units:
+                try:
+                    if self._slot_of(u) is None and not self._start_read(u, keep=units, block=False):
+                        return
+                except BaseException:
+                    if self._error is None:
+                        raise
+                    return  # a write-back failed meanwhile: kept in self._error, raised by acquire
+
+    def acquire(self, u: int) -> dict[str, torch.Tensor]:
+        """Unit ``u``'s state tensors, resident (read now if no prefetch brought them); views of a slot."""
+        with self._lock:
+            self._poll()
+            slot = self._slot_of(u)
+            if slot is None:
+                slot = self._start_read(u, keep=[u], block=True)
+            slot.in_use = True
+        try:
+            slot.read.wait()
+            slot.write.wait()  # its previous write-back must not read bytes we are about to change
+        except BaseException as exc:
+            with self._lock:
+                slot.in_use, slot.unit, slot.read, slot.write = False, None, DONE, DONE
+                self._error = self._error or exc
+            raise
+        return self._views(u, slot)
+
+    def release(self, u: int, dirty: bool) -> None:
+        """Done with unit ``u``'s tensors; ``dirty``: they changed, write them back (in the background)."""
+        with self._lock:
+            slot = self._slot_of(u)
+            slot.in_use = False
+            if dirty:
+                f = self._files[u]
+                slot.write = self.io.write(f.fd, slot.buffer[: f.nbytes], 0)
+                self.bytes_written += f.nbytes
+
+    @contextlib.contextmanager
+    def resident(self, u: int, write: bool):
+        """Unit ``u``'s tensors while the block runs; ``write``: written back after it."""
+        flats = self.acquire(u)
+        try:
+            yield flats
+        finally:
+            self.release(u, dirty=write)
+
+    @contextlib.contextmanager
+    def paged_in(self, job):
+        """A HostAdamW ``UnitJob`` with its moments' views in a slot; written back after the block."""
+        with self.resident(job.unit, write=True) as flats:
+            try:
+                for w in job.work:
+                    w.exp_avgs = [_view(flats["exp_avg"], e) for e in w.entries]
+                    w.exp_avg_sqs = [_view(flats["exp_avg_sq"], e) for e in w.entries]
+                yield
+            finally:
+                for w in job.work:
+                    w.exp_avgs, w.exp_avg_sqs = [], []
+
+    def flush(self) -> None:
+        """Wait for every write-back; raise the first that failed."""
+        for slot in self._slots:
+            self._wait(slot.write)
+        self._raise()
+
+    def close(self) -> None:
+        """Wait for the writes, then remove the run directory with its files (idempotent)."""
+        try:
+            for slot in self._slots:
+                try:
+                    slot.write.wait()
+                except OSError:
+                    pass
+            for f in self._files.values():
+                self.io.close(f.fd)
+            self._files.clear()
+        finally:
+            self._finalizer()
+
+    # ------------------------------------------------------------------ internals
+    def _views(self, u: int, slot: _Slot) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, (offset, numel, dtype) in self._files[u].tensors.items():
+            out[key] = slot.buffer[offset : offset + numel * dtype.itemsize].view(dtype)
+        return out
+
+    def _slot_of(self, u: int) -> _Slot | None:
+        for slot in self._slots:
+            if slot.unit == u:
+                return slot
+        return None
+
+    def _start_read(self, u: int, keep: list[int], block: bool) -> _Slot | None:
+        """(locked) Read ``u`` into a slot that is not in use and holds no unit of ``keep``."""
+        while True:
+            free = [s for s in self._slots if not s.in_use and s.unit not in keep]
+            ready = [s for s in free if s.write.done() and s.read.done()]
+            if ready or (block and free):
+                slot = (ready or free)[0]
+                self._wait(slot.write)
+                self._raise()
+                f = self._files[u]
+                slot.unit, slot.write = u, DONE
+                slot.read = self.io.read(f.fd, slot.buffer[: f.nbytes], 0)
+                self.bytes_read += f.nbytes
+                return slot
+            if not block:
+                return None
+            raise RuntimeError(f"PagedState: no free slot for unit {u} (all {len(self._slots)} in use)")
+
+    def _wait(self, pending: Pending) -> None:
+        try:
+            pending.wait()
+        except BaseException as exc:
+            self._error = self._error or exc
+
+    def _poll(self) -> None:
+        for slot in self._slots:
+            if slot.write.done():
+                self._wait(slot.write)
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+
+def _view(flat: torch.Tensor, e) -> torch.Tensor:
+    return flat[e.offset : e.offset + e.numel].view(e.shape)
+
+
+def fill_state_dict(optimizer, out: dict) -> None:
+    """Put the paged moments of HostAdamW ``optimizer`` into its ``state_dict()`` ``out`` (copies, in RAM)."""
+    index: dict = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index.setdefault(p, len(index))
+    for u, groups in optimizer._plan.items():
+        with optimizer.unit_state(u) as flats:
+            for entries in groups.values():
+                for e in entries:
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        out["state"][index[e.tensor]][key] = _view(flats[key], e).clone()

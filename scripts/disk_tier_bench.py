@@ -1,0 +1,93 @@
+"""Host peak RSS per trainable parameter and the update's disk rate, with and without the disk tier.
+
+Builds a Llama-shaped model from a config (random weights, fp32, CPU compute), attaches megatrain,
+runs ``--steps`` optimizer steps (forward + backward + HostAdamW update), and prints JSON:
+
+* ``peak_rss_B_per_param``: the process's peak RSS (VmHWM, reset through /proc/self/clear_refs once the
+  model is attached, so the peak of HF building the model in fp32 is not counted) per trainable parameter;
+* ``update_s``: wall time of ``step()`` + ``synchronize()`` (the update, its reads ahead and its writes
+  behind overlapping it), the last step's; ``disk_GBps``: bytes read + written by the tier in that step
+  over that time; ``raw_fraction``: the time the disk alone needs for those bytes at ``--raw-read`` /
+  ``--raw-write`` GB/s (from scripts/disk_rates.py) over ``update_s``.
+
+    python scripts/disk_tier_bench.py --offload-dir /nvme/tmp --raw-read 1.2 --raw-write 1.7
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import transformers
+
+from megatrain_hf import HostAdamW, MegaTrainConfig, attach
+
+
+def rss_peak_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+
+
+def rss_peak() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--offload-dir", default=None, help="moments on disk there (offload_state='moments')")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--raw-read", type=float, default=None, help="GB/s, from scripts/disk_rates.py")
+    parser.add_argument("--raw-write", type=float, default=None, help="GB/s, from scripts/disk_rates.py")
+    args = parser.parse_args()
+
+    config = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                                      num_key_value_heads=args.hidden // 64, vocab_size=args.vocab,
+                                      max_position_embeddings=args.seq)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    engine = attach(model, MegaTrainConfig(offload_dir=args.offload_dir, offload_state="moments"), device="cpu")
+    trainable = engine.store.trainable_numel()
+    rss_peak_reset()
+    opt = HostAdamW(model.parameters(), engine.store, lr=1e-4, offload_dir=args.offload_dir)
+    ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1))
+    steps = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        compute_s = time.perf_counter() - start
+        pager = opt._pager
+        before = (pager.bytes_read, pager.bytes_written) if pager else (0, 0)
+        start = time.perf_counter()
+        opt.step()
+        opt.synchronize()
+        update_s = time.perf_counter() - start
+        opt.zero_grad()
+        read, written = ((pager.bytes_read - before[0], pager.bytes_written - before[1]) if pager else (0, 0))
+        row = {"compute_s": compute_s, "update_s": update_s, "read_bytes": read, "written_bytes": written,
+               "disk_GBps": (read + written) / update_s / 1e9}
+        if pager and args.raw_read and args.raw_write:
+            row["raw_fraction"] = (read / (args.raw_read * 1e9) + written / (args.raw_write * 1e9)) / update_s
+        steps.append(row)
+    peak = rss_peak()
+    print(json.dumps({
+        "offload_dir": args.offload_dir, "trainable_params": trainable, "peak_rss_bytes": peak,
+        "peak_rss_B_per_param": peak / trainable, "update_elements_per_s": trainable / steps[-1]["update_s"],
+        "o_direct": all(opt._pager.io.direct.values()) if opt._pager else None, "steps": steps,
+    }, indent=2))
+    opt.close()
+
+
+if __name__ == "__main__":
+    main()
