@@ -38,6 +38,7 @@ from .core.streams import streams_for
 from .core.template import TemplateCache
 from .hf.checks import check_coverage, check_fp32, prepare_graph_call
 from .hf.families import INPUT_KWARGS, family_of, unwrap
+from .hf.flops import flops_parameters
 from .hf.install import install_model
 from .hf.loading import deferred_weights
 from .hf.quantize import quantized_weights
@@ -120,7 +121,8 @@ class Engine:
         self.num_templates = len(templates)
         self.runner = UnitRunner(units, self.streamer, self.grads, self.stats, self.budget, device, dtype,
                                  INPUT_KWARGS, prepare_graph_call)
-        self.runner.tile_policy = self._tile_policy() if config.sequence_tile_tokens is not None else None
+        self.runner.tile_policy = activations.tile_policy(config.sequence_tile_tokens, torch.finfo(dtype).bits // 8,
+                                                          self.budget.budget)
         self.runner.checkpoint_interval = config.checkpoint_interval
         if config.offload_checkpoints is True:
             self._start_offload()
@@ -133,16 +135,6 @@ class Engine:
             len(units), self.num_templates, self.store.trainable_numel() / 1e6, self.store.host_bytes() / 2**30,
             str(dtype).replace("torch.", ""), device,
         )
-
-    def _tile_policy(self):
-        """``sequence_tile_tokens`` for the runner: (tokens, hidden, intermediate) -> tile or None."""
-        option, budget = self.config.sequence_tile_tokens, self.budget.budget
-        compute_bytes = torch.finfo(self.compute_dtype).bits // 8
-
-        def policy(tokens: int, hidden: int, intermediate: int) -> int | None:
-            return activations.resolve_tile(option, tokens, hidden, intermediate, compute_bytes, budget)
-
-        return policy
 
     @property
     def units(self) -> list[Unit]:
@@ -162,34 +154,8 @@ class Engine:
             self.patcher.on_undo(lambda: torch.set_num_threads(before))
 
     def _set_flops_model(self, model: nn.Module, located) -> None:
-        """The FLOPs convention's N (``stats.py``): every unit's parameters but the input-embedding
-        tables'; a table tied to the head is the head's, counted once. Routed experts count by the
-        share a token is computed with (``num_experts_per_tok`` of the module's ``num_experts``):
-        N is the parameters a token activates."""
-        config = getattr(unwrap(model), "config", None)
-        text = getattr(config, "get_text_config", lambda: config)()
-        top_k = getattr(text, "num_experts_per_tok", None)
-        seen: set[int] = set()
-        matmul = trainable = 0
-        for u, module in enumerate(located.modules):
-            if u in located.embedding_units:
-                continue
-            for sub in module.modules():
-                experts = getattr(sub, "num_experts", None) if type(sub).__name__.endswith("Experts") else None
-                for p in sub.parameters(recurse=False):
-                    if id(p) in seen:
-                        continue
-                    seen.add(id(p))
-                    n = p.numel()
-                    if experts and top_k and p.shape[0] == experts:
-                        n = n // experts * top_k
-                    matmul += n
-                    trainable += n if p.requires_grad else 0
-        layers = getattr(text, "num_hidden_layers", 0) or 0
-        heads = getattr(text, "num_attention_heads", 0) or 0
-        head_dim = getattr(text, "head_dim", None) or ((getattr(text, "hidden_size", 0) or 0) // max(heads, 1))
         self.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.stats.set_flops_model(matmul, trainable, layers, heads, head_dim)
+        self.stats.set_flops_model(*flops_parameters(model, located))
 
     def _install(self, model: nn.Module) -> None:
         patcher = self.patcher

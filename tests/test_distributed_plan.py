@@ -10,7 +10,7 @@ from megatrain_hf.cli.estimate import estimate_main
 from megatrain_hf.core.layout import lay_out
 from megatrain_hf.memory import PRESETS, plan_memory
 from megatrain_hf.memory.distributed import plan_ranks
-from megatrain_hf.memory.plan import _DTYPE_BY_NAME, _layout, LORA_TARGETS
+from megatrain_hf.memory.plan import _DTYPE_BY_NAME, LORA_TARGETS, _layout
 
 
 def _plan(**kw):

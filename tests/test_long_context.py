@@ -116,6 +116,8 @@ def test_sequence_tile_tokens_option():
     ("llama", 2, False, 3),  # chain: embedding, 4 layers, norm, head (its own kernel: kept); L0, L2, norm recomputed
     ("llama", 3, True, 4),  # offloaded checkpoints: the kept ones come back from the host
     ("gemma3_text", 3, False, 4),
+    ("llama", 2, "layer_major", 3),
+    ("mixtral", 2, False, 3),  # the router logits HF's hooks capture: recorded once, differentiated  # no dropout: both micro-batches of a step go through each layer together
 ])
 def test_checkpoint_interval_matches_plain_trainer(family, interval, offload, again, tmp_path, monkeypatch):
     """Checkpoints of every k-th unit only (the rest recomputed in the backward), attention dropout
@@ -126,10 +128,12 @@ def test_checkpoint_interval_matches_plain_trainer(family, interval, offload, ag
     forward_again = UnitRunner._forward_again
     monkeypatch.setattr(UnitRunner, "_forward_again", lambda self, call, x: calls.append(call.unit)
                         or forward_again(self, call, x))
-    ref = tiny_model(family, num_hidden_layers=4)
+    extra = dict(attention_dropout=0.0) if offload == "layer_major" else {}
+    ref = tiny_model(family, num_hidden_layers=4, **extra)
     _, ref_losses = train(ref, training_args(tmp_path / "ref", max_steps=3))
-    model = tiny_model(family, num_hidden_layers=4)
-    plugin = MegaTrainPlugin(checkpoint_interval=interval, offload_checkpoints=offload)
+    model = tiny_model(family, num_hidden_layers=4, **extra)
+    options = dict(layer_major=True) if offload == "layer_major" else dict(offload_checkpoints=offload)
+    plugin = MegaTrainPlugin(checkpoint_interval=interval, **options)
     trainer, losses = train(model, training_args(tmp_path / "mt", max_steps=3), callbacks=[plugin])
     assert len(calls) == again * 6, calls  # per micro-batch: the inputs recomputed, 3 steps x 2 micro-batches
     assert_close_losses(ref_losses, losses, ATOL_FP32)

@@ -36,10 +36,11 @@ from typing import Callable
 
 import torch
 
-from .layout import Entry, Kind, TensorSpec, UnitSizes, lay_out, wire_dtype
-from .quant import QuantWork, quant_format, quantize_into, quantize_tensor
+from .layout import Entry, Kind
+from .quant import QuantWork, quantize_into, quantize_tensor
 from .readiness import UnitGates
 from .sharding import ReceiveSlots
+from .unit_plan import plan_units
 
 logger = logging.getLogger(__name__)
 
@@ -120,15 +121,14 @@ class HostStore:
         self.staging = staging and compute_dtype != torch.float32
         self.pin = pin
         self.names = [name for name, _ in units]
-        self.entries: list[list[Entry]] = []
         self.buffers: list[UnitBuffers] = []
         self._registered: list[torch.Tensor] = []
         # Unpinned when the store goes away even without release(): the finalizer holds the flats,
         # so their memory cannot return to malloc (and be registered again) while still pinned.
         self._unpin = weakref.finalize(self, _unregister, self._registered)
-        self._param_home: dict[int, tuple[int, Entry]] = {}
         self._quantize = quantize
-        self._sizes = self._plan(units, embedding_units)
+        self.entries, self._sizes, self._param_home = plan_units(units, embedding_units, compute_dtype,
+                                                                 self.frozen_storage, quantize)
         self.remote = self._remote_units()
         self._slots = ReceiveSlots(self, *slots) if self.remote else None
         self._allocate(sources, ranges, stored_quantized)
@@ -138,47 +138,6 @@ class HostStore:
     def frozen_storage(self, wire: torch.dtype) -> torch.dtype:
         """The dtype a frozen entry of wire dtype ``wire`` is stored in on the host."""
         return wire if self.frozen_in_wire_dtype or not wire.is_floating_point else torch.float32
-
-    def _plan(self, units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int]) -> list[UnitSizes]:
-        all_sizes = []
-        for u, (unit_name, module) in enumerate(units):
-            entries: list[Entry] = []
-            fresh: list[tuple[Entry, TensorSpec]] = []
-            for name, param in module.named_parameters(remove_duplicate=False):
-                home = self._param_home.get(id(param))
-                if home is not None:  # tied: lives in an earlier unit's flat
-                    owner, first = home
-                    entries.append(Entry(name, param, first.kind, owner, first.wire, first.offset, param.shape))
-                    continue
-                if param.device.type != "cpu":
-                    raise ValueError(
-                        f"parameter {unit_name}.{name} is on {param.device}; megatrain needs the model "
-                        "on the CPU (host RAM is its home). Load it without device_map / .to('cuda'), "
-                        "e.g. AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)."
-                    )
-                kind = Kind.TRAINABLE if param.requires_grad else Kind.FROZEN
-                wire = wire_dtype(param.dtype, param.ndim, self.compute_dtype, embedding=u in embedding_units, name=name)
-                scheme = self._quantize(param) if kind is Kind.FROZEN and self._quantize is not None else None
-                fmt = quant_format(scheme, tuple(param.shape), wire) if scheme is not None else None
-                if scheme is not None and fmt is None:
-                    logger.info("megatrain: %s.%s %s is kept unquantized (%s takes matrices of a whole "
-                                "number of blocks)", unit_name, name, tuple(param.shape), scheme)
-                entry = Entry(name, param, kind, u, wire if fmt is None else torch.uint8, 0, param.shape, fmt)
-                self._param_home[id(param)] = (u, entry)
-                entries.append(entry)
-                if fmt is not None:
-                    fresh.append((entry, TensorSpec(fmt.nbytes, False, torch.uint8)))
-                    continue
-                stored = wire if kind is Kind.TRAINABLE else self.frozen_storage(wire)
-                fresh.append((entry, TensorSpec(param.numel(), kind is Kind.TRAINABLE, stored)))
-            sizes = lay_out([spec for _, spec in fresh])
-            for entry, spec in fresh:
-                entry.offset = spec.offset
-            for name, buf in module.named_buffers():
-                entries.append(Entry(name, buf, Kind.BUFFER, u, buf.dtype, 0, buf.shape))
-            self.entries.append(entries)
-            all_sizes.append(sizes)
-        return all_sizes
 
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host flat, pinned when the store pins.
@@ -207,8 +166,7 @@ class HostStore:
         return flat
 
     def _remote_units(self) -> frozenset[int]:
-        """Units whose trainable state another rank owns: laid into receive slots here. A unit whose
-        flat another unit reads (a tied embedding) is kept whole on every rank."""
+        """Units another rank owns, laid into receive slots (a flat another unit reads stays whole)."""
         if self.sharding is None:
             return frozenset()
         tied = {e.owner for u, entries in enumerate(self.entries) for e in entries if e.owner != u}
@@ -288,14 +246,12 @@ class HostStore:
         if self.sharding is None or self.buffers[u].master_host is None:
             return
         self.sharding.broadcast_master(u, self.buffers[u].master_host)
-        if u in self.remote:
-            self.buffers[u].staging_dirty = True  # the staging copy of the slot is the previous unit's
+        self.buffers[u].staging_dirty = u in self.remote or self.buffers[u].staging_dirty  # a slot's copy
 
     def grads_landed(self, u: int, computed: dict | None = None) -> None:
         """Unit ``u``'s gradients of this backward are here: sum them into the owner's, tensor by tensor.
-
-        ``computed`` ({entry offset: gradient}, the CPU path of a unit another rank owns): sent straight
-        from the computed gradients, so the gradient slot is never written (nor resident)."""
+        ``computed`` ({entry offset: gradient}; the CPU, a unit another rank owns): sent as computed, so
+        the gradient slot is never written (nor resident)."""
         if self.sharding is None or self.buffers[u].grad_host is None:
             return
         owned = self.owned_trainable(u)  # every rank sends unit u in the same backward (same graph)

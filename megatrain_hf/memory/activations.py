@@ -57,6 +57,18 @@ def resolve_tile(option: int | str | None, tokens: int, hidden: int, intermediat
     return None if tokens <= option else int(option)
 
 
+def tile_policy(option: int | str | None, compute_bytes: int, budget_bytes: int | None = None):
+    """``sequence_tile_tokens`` as the runner asks it: ``(tokens, hidden, intermediate) -> tile or None``;
+    None when the option turns tiling off."""
+    if option is None:
+        return None
+
+    def policy(tokens: int, hidden: int, intermediate: int) -> int | None:
+        return resolve_tile(option, tokens, hidden, intermediate, compute_bytes, budget_bytes)
+
+    return policy
+
+
 def tiles(tokens: int, tile: int | None) -> int:
     return 1 if tile is None else math.ceil(tokens / tile)
 

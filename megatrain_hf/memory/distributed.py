@@ -11,8 +11,8 @@ rank). Each GPU streams the whole model: its memory is the single-GPU plan's.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 

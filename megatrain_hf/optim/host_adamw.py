@@ -33,6 +33,7 @@ from ..core.workers import start_worker
 from .compressed import CompressedMoments
 from .kernels import GroupWork, UnitJob, native_update, torch_update
 from .quant import format_of
+from .state_io import AdamWStateIO
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ _ADAMW_KEYS = frozenset(
 )
 
 
-class HostAdamW(torch.optim.Optimizer):
+class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
     marks_store_dirty = True  # tells the engine's global step hook not to re-stage everything
 
     def __init__(
@@ -165,72 +166,6 @@ class HostAdamW(torch.optim.Optimizer):
                 self._steps[(u, gi)] = [torch.zeros((), dtype=torch.float32) for _ in entries]
         self._build_state_views()
 
-    def state_spec(self, u: int) -> dict[str, tuple[int, torch.dtype]]:
-        """Unit ``u``'s contiguous state tensors: name -> (elements, dtype); the disk tier pages these as bytes."""
-        if self.moments is not None:  # the codes and scales (or bf16 moments) of the compressed format
-            return {name: (t.numel(), t.dtype) for name, t in self.moments.tensors[u].items()}
-        numel = self.store.buffers[u].master_host.numel()
-        return {"exp_avg": (numel, torch.float32), "exp_avg_sq": (numel, torch.float32)}
-
-    def unit_state(self, u: int, write: bool = False):
-        """Unit ``u``'s state tensors, resident while the block runs (no update running: after :meth:`synchronize`);
-        ``write=True``: what the block changed is kept (written back when the state is on disk)."""
-        if self._paged(u):
-            return self._pager.resident(u, write)
-        if self.moments is not None:
-            return contextlib.nullcontext(self.moments.tensors[u])
-        return contextlib.nullcontext({"exp_avg": self._exp_avg[u], "exp_avg_sq": self._exp_avg_sq[u]})
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Copy a saved state into the host flats, tensor by tensor, from any device.
-
-        torch's ``load_state_dict`` first builds new tensors for the whole state on the
-        parameters' device: a second full copy of the moments (8 bytes/param) in host RAM.
-        """
-        self.synchronize()
-        saved = state_dict["state"]
-        # torch validates the groups (sizes, hooks) and maps the saved ids to parameters by position
-        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
-        ids = [i for group in state_dict["param_groups"] for i in group["params"]]
-        params = [p for group in self.param_groups for p in group["params"]]
-        loaded = {p: saved[i] for i, p in zip(ids, params) if i in saved}
-        self._build_state_views()
-        for u, groups in self._plan.items():
-            if self.moments is not None:  # compressed from the saved fp32 values
-                for gi, entries in groups.items():
-                    for e, step in zip(entries, self._steps[(u, gi)]):
-                        src = loaded.get(e.tensor, {})
-                        step.fill_(float(src["step"]) if "step" in src else 0.0)
-                        for k, key in enumerate(("exp_avg", "exp_avg_sq")):
-                            value = src[key].reshape(e.shape) if key in src else torch.zeros(e.numel)
-                            self.moments.of(u, e).assign(self.format, k, value)
-                continue
-            with self.unit_state(u, write=True) as flats:
-                for gi, entries in groups.items():
-                    for e, step in zip(entries, self._steps[(u, gi)]):
-                        src = loaded.get(e.tensor, {})
-                        step.fill_(float(src["step"]) if "step" in src else 0.0)
-                        for key in ("exp_avg", "exp_avg_sq"):
-                            view = flats[key][e.offset : e.offset + e.numel].view(e.shape)
-                            if key in src:
-                                view.copy_(src[key].reshape(e.shape))
-                            else:  # no saved state: a fresh start, as torch's AdamW would make
-                                view.zero_()
-
-    def _build_state_views(self) -> None:
-        for u, groups in self._plan.items():
-            for gi, entries in groups.items():
-                for e, step in zip(entries, self._steps[(u, gi)]):
-                    if self.moments is not None or self._paged(u):  # no fp32 views: a copy is built
-                        self.state[e.tensor] = {"step": step}
-                        continue
-                    self.state[e.tensor] = {
-                        "step": step,
-                        "exp_avg": self._exp_avg[u][e.offset : e.offset + e.numel].view(e.shape),
-                        "exp_avg_sq": self._exp_avg_sq[u][e.offset : e.offset + e.numel].view(e.shape),
-                    }
-
-    # ------------------------------------------------------------------ update
     def set_clip_coef(self, coef: torch.Tensor | None) -> None:
         """Multiply the gradients by ``coef`` (< 1: clipping) in the next update, unit by unit,
         exactly as ``torch.nn.utils.clip_grad_norm_`` multiplies them (bitwise-equal results)."""
@@ -402,26 +337,6 @@ class HostAdamW(torch.optim.Optimizer):
         self.store.gates.raise_error()
         if self._pager is not None:
             self._pager.flush()  # the write-backs too: the files then hold the step's state
-
-    def state_dict(self):
-        """torch AdamW's layout; compressed moments are expanded to fp32 copies, moments on disk read into RAM
-        (either way a full fp32 copy)."""
-        self.synchronize()
-        out = super().state_dict()
-        if self.moments is not None:
-            index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-            for u, groups in self._plan.items():
-                for entries in groups.values():
-                    for e in entries:
-                        st = self.moments.of(u, e)
-                        out["state"][index[id(e.tensor)]].update(
-                            exp_avg=st.expand(self.format, 0).view(e.shape),
-                            exp_avg_sq=st.expand(self.format, 1).view(e.shape))
-        if self._pager is not None:
-            from .paged_state import fill_state_dict
-
-            fill_state_dict(self, out)
-        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grad_after(self.synchronize, super().zero_grad, set_to_none)

@@ -81,7 +81,9 @@ class Checkpoints:
                 if call.dev_rng is not None:
                     torch.cuda.set_rng_state(call.dev_rng, self.device)
             with torch.no_grad(), self._autocast(call.autocast):
-                out = self.compute(call, x.detach(), self.streamer.fetch(call.unit), hooks=False)
+                # as a recompute: only the hooks that changed a value in the forward run again (others
+                # would record twice, e.g. captured router logits)
+                out = self.compute(call, x.detach(), self.streamer.fetch(call.unit), recompute=True)
         self.stats.forward_units -= 1  # a recompute is not a forward
         return out.requires_grad_(True) if out.is_floating_point() else out  # it came out of a streamed node
 

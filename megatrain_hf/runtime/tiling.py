@@ -32,7 +32,7 @@ MLP_ATTRS = ("mlp", "feed_forward")
 def tileable_mlp(layer: nn.Module) -> nn.Module | None:
     """The MLP of ``layer`` if tiling it is exact and safe (see module docstring), else None."""
     mlp = next((getattr(layer, a) for a in MLP_ATTRS if isinstance(getattr(layer, a, None), nn.Module)), None)
-    if mlp is None:
+    if mlp is None or "forward" in mlp.__dict__:  # someone else's forward: left alone
         return None
     for module in mlp.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
-from helpers import tiny_model  # noqa: E402
+from helpers import tiny_model
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(HERE, "scripts", "dp_train.py")

@@ -19,8 +19,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), os.path.dirname(HERE)]  # this checkout, tests/
 
-from helpers import LogRecorder, RandomTokens, tiny_model, training_args  # noqa: E402
-from transformers import Trainer, TrainerCallback  # noqa: E402
+from helpers import LogRecorder, RandomTokens, tiny_model, training_args
+from transformers import Trainer, TrainerCallback
 
 
 class FailAt(TrainerCallback):
@@ -60,13 +60,13 @@ def train(case: dict, out: str, output_dir: str, resume: str | None = None) -> N
                       eval_dataset=RandomTokens(n=12, seed=2) if case.get("eval") else None, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
     state = None
-    if case.get("megatrain"):
-        from megatrain_hf import engine_of
+    from megatrain_hf import engine_of  # (also attached without the plugin here: `megatrain launch`)
+
+    engine = engine_of(model)
+    if engine is not None and engine.sharding is not None:
         from megatrain_hf.integrations.trainer.distributed import gather_state_dict
 
-        engine = engine_of(model)
-        if engine.sharding is not None:
-            state = gather_state_dict(engine, model)
+        state = gather_state_dict(engine, model)
     if args.process_index == 0:
         if state is None:
             state = model.state_dict()

@@ -132,7 +132,7 @@ def _remove_stale_staging(run_dir: str) -> None:
 
 def _staged_save_checkpoint(trainer, patcher: Patcher, original_save, original_get_output_dir, model, trial) -> None:
     """Trainer's ``_save_checkpoint``, made atomic (see module docstring)."""
-    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
     args = trainer.args
     optimizer = host_adamw(trainer)
