@@ -101,6 +101,35 @@ def plot(results: dict, path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def chart_log(args) -> None:
+    """The held-out curves printed so far by a run (``MODE step N eval LOSS (T s)`` lines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves: dict[str, list[tuple[int, float]]] = {}
+    with open(args.from_log) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 5 and parts[1] == "step" and parts[3] == "eval":
+                curves.setdefault(parts[0], []).append((int(parts[2]), float(parts[4])))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, points in curves.items():
+        ax.plot(*zip(*points), marker="o", label=f"{mode} (step {points[-1][0]}: {points[-1][1]:.4f})")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("held-out loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"held-out loss per optimizer_state ({args.hidden}x{args.layers} llama, {args.batch}x{args.seq} tokens)")
+    fig.tight_layout()
+    fig.savefig(args.out + ".png", dpi=110)
+    with open(args.out + ".json", "w") as f:
+        json.dump({"log": os.path.basename(args.from_log), "eval": curves}, f, indent=1)
+    for mode, points in curves.items():
+        print(mode, points)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", default="fp32,8bit,4bit")
@@ -117,7 +146,12 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/optimizer-state-quality")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "optimizer-state-quality"),
                         help="prefix of the .json and .png written")
+    parser.add_argument("--from_log", default=None,
+                        help="only chart the eval lines of a run's log (a run stopped before its end)")
     args = parser.parse_args()
+    if args.from_log:
+        chart_log(args)
+        return
     if args.mode:
         run_mode(args)
         return

@@ -237,3 +237,25 @@ def test_planner_is_exact_for_compressed_moments(capsys):
     assert estimate_main(["--model", "llama-7b", "--host-gib", "125", "--optimizer-state", "8bit"]) == 0
     out = capsys.readouterr().out
     assert "AdamW exp_avg (8bit)" in out and "1.02" in out and "11.99" in out  # B/param: 18 -> 12
+
+
+def test_load_state_dict_compresses_a_torch_adamw_state():
+    """A plain torch AdamW state (e.g. a converted optimizer.pt) loads into compressed moments."""
+    ref_model, model = tiny_model("llama"), tiny_model("llama")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-3)
+    for p in ref_model.parameters():
+        p.grad = torch.randn_like(p)
+    ref.step()
+    engine = attach(model, device="cpu", config=None)
+    opt = HostAdamW(model.parameters(), store=engine.store, state="4bit")
+    opt.load_state_dict(ref.state_dict())
+    fmt = format_of("4bit")
+    got = opt.state_dict()["state"]
+    for i, p in enumerate(ref_model.parameters()):
+        for k, key in enumerate(("exp_avg", "exp_avg_sq")):
+            x = ref.state[p][key].reshape(-1)
+            codes, scales = torch.zeros(fmt.code_bytes(x.numel()), dtype=torch.uint8), torch.zeros(fmt.blocks(x.numel()))
+            compress(fmt, k, x, codes, scales)
+            assert torch.equal(got[i][key].reshape(-1), expand(fmt, k, codes, scales, x.numel())), (i, key)
+        assert float(got[i]["step"]) == 1.0
+    opt.close()
