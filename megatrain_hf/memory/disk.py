@@ -130,7 +130,8 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
     staging = ram(False, extra)
     logger.info("megatrain: AdamW moments (%s) of %d of %d units on disk (offload_dir=%s, offload_state=%r): %.2f "
                 "GiB on disk, %.2f GiB of RAM slots, %.2f GiB read and written per optimizer step", state, k,
-                len(with_state), offload_dir, offload_state, tier.disk_bytes / GiB, tier.ram_bytes / GiB, tier.written_per_step / GiB)
+                len(with_state), offload_dir, offload_state, tier.disk_bytes / GiB, tier.ram_bytes / GiB,
+                tier.written_per_step / GiB)
     return staging, tier
 
 

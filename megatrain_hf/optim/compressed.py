@@ -74,7 +74,8 @@ class CompressedMoments:
                 self.entries[u] = self.views(u, self.tensors[u])
 
     def views(self, u: int, tensors: dict[str, torch.Tensor]) -> dict[int, EntryState]:
-        """Each entry's state (by ``id(entry.tensor)``) over ``tensors``, unit ``u``'s tensors as :attr:`specs` names them."""
+        """Each entry's state (by ``id(entry.tensor)``) over ``tensors``: unit ``u``'s tensors, as
+        :attr:`specs` names them (its own flats in RAM, or a disk-tier slot's views)."""
         return {key: self._entry(tensors, e, block) for key, (e, block) in self._blocks[u].items()}
 
     def _entry(self, tensors: dict[str, torch.Tensor], e: Entry, block: int) -> EntryState:
