@@ -220,26 +220,32 @@ def test_a_disk_too_small_is_refused_before_allocating(tmp_path, monkeypatch):
     assert not hasattr(model, "_megatrain_engine") and os.listdir(tmp_path / "d") == []
 
 
-def test_auto_puts_the_fewest_units_on_disk_when_ram_is_short(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["fp32", "8bit"])
+def test_auto_puts_the_fewest_units_on_disk_when_ram_is_short(tmp_path, monkeypatch, mode):
     """offload_state='auto': all moments in RAM when they fit; one byte short, the last units' moments go to
-    disk (not all of them), and the run still equals the in-RAM run bitwise."""
+    disk (not all of them), and the run still equals the in-RAM run bitwise (the split counts the moments
+    in their format: 8-bit ones are a quarter of fp32's)."""
     from megatrain_hf import attach
     from megatrain_hf.memory import host
 
     (tmp_path / "d").mkdir()
-    config = MegaTrainConfig(offload_dir=str(tmp_path / "d"))
+    config = MegaTrainConfig(offload_dir=str(tmp_path / "d"), optimizer_state=mode)
     layers = dict(num_hidden_layers=8)
     assert attach(tiny_model("llama", **layers), config).state_tier.on_disk is False  # RAM is plenty
     model = tiny_model("llama", **layers)
     units = [(n, m) for n, m in zip(*_located(model))]
-    needed = sum(host.host_breakdown_for_units(units, compute_dtype=torch.float32, staging=False).values())
+    needed = sum(host.host_breakdown_for_units(units, compute_dtype=torch.float32, staging=False,
+                                               optimizer_state=mode).values())
     current = sum(p.numel() * 4 for p in model.parameters())
     monkeypatch.setattr(host, "available_host_bytes", lambda: host.DEFAULT_HEADROOM_BYTES + needed - 1 - current)
     trainer, losses = train(model, training_args(tmp_path / "auto"), callbacks=[MegaTrainPlugin(config)])
     tier = trainer.optimizer.optimizer._pager
     assert 0 < len(tier.units) < len(units) - 1 and max(tier.units) == len(units) - 1  # the last units
+    moments = trainer.optimizer.optimizer.moments
+    if moments is not None:  # the other units' codes and scales are in RAM, the paged ones' are not
+        assert moments.tensors and set(moments.tensors).isdisjoint(tier.units)
     monkeypatch.undo()
-    _, ref, ref_losses = _run(tmp_path, "ram", model=tiny_model("llama", **layers))
+    _, ref, ref_losses = _run(tmp_path, "ram", model=tiny_model("llama", **layers), options=dict(optimizer_state=mode))
     assert losses == ref_losses
     _assert_equal(state_of(ref), state_of(model))
 
