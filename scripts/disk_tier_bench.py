@@ -11,6 +11,7 @@ runs ``--steps`` optimizer steps (forward + backward + HostAdamW update), and pr
   ``--raw-write`` GB/s (from scripts/disk_rates.py) over ``update_s``.
 
     python scripts/disk_tier_bench.py --offload-dir /nvme/tmp --raw-read 1.2 --raw-write 1.7
+    python scripts/disk_tier_bench.py --offload-dir /nvme/tmp --optimizer-state 8bit --kernel native
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--optimizer-state", default="fp32", choices=["fp32", "bf16", "8bit", "4bit"],
+                        help="the moments' format (MegaTrainConfig.optimizer_state)")
+    parser.add_argument("--kernel", default="torch", choices=["torch", "native"], help="HostAdamW's host kernel")
     parser.add_argument("--raw-read", type=float, default=None, help="GB/s, from scripts/disk_rates.py")
     parser.add_argument("--raw-write", type=float, default=None, help="GB/s, from scripts/disk_rates.py")
     args = parser.parse_args()
@@ -60,7 +64,8 @@ def main() -> None:
     engine = attach(model, MegaTrainConfig(offload_dir=args.offload_dir, offload_state="moments"), device="cpu")
     trainable = engine.store.trainable_numel()
     rss_peak_reset()
-    opt = HostAdamW(model.parameters(), engine.store, lr=1e-4, offload_dir=args.offload_dir)
+    opt = HostAdamW(model.parameters(), engine.store, lr=1e-4, offload_dir=args.offload_dir,
+                    state=args.optimizer_state, kernel=args.kernel)
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1))
     steps = []
     for _ in range(args.steps):
@@ -82,7 +87,8 @@ def main() -> None:
         steps.append(row)
     peak = rss_peak()
     print(json.dumps({
-        "offload_dir": args.offload_dir, "trainable_params": trainable, "peak_rss_bytes": peak,
+        "offload_dir": args.offload_dir, "optimizer_state": args.optimizer_state, "kernel": opt.kernel,
+        "trainable_params": trainable, "peak_rss_bytes": peak,
         "peak_rss_B_per_param": peak / trainable, "update_elements_per_s": trainable / steps[-1]["update_s"],
         "o_direct": all(opt._pager.io.direct.values()) if opt._pager else None, "steps": steps,
     }, indent=2))

@@ -1,7 +1,8 @@
 """The disk tier (``offload_dir``): the AdamW moments in files, paged through a RAM window.
 
 Through Trainer + the plugin the run with the moments on disk must equal the in-RAM run bitwise
-(every logged loss and every final parameter): plain, with gradient accumulation, LoRA, resume.
+(every logged loss and every final parameter): plain, with gradient accumulation, LoRA, resume;
+fp32 moments and the compressed ones (``optimizer_state`` "bf16" / "8bit" / "4bit"), both kernels.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ import torch
 from helpers import LogRecorder, RandomTokens, state_of, tiny_model, train, training_args
 from megatrain_hf import HostAdamW, MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.core.disk_io import RUN_DIR_PREFIX
+from megatrain_hf.optim import native
+
+KERNELS = ["torch", pytest.param("native", marks=pytest.mark.skipif(native.host_adamw() is None,
+                                                                       reason="no C++ compiler"))]
 
 
-def _run(tmp_path, name, offload_dir=None, model=None, **args):
+def _run(tmp_path, name, offload_dir=None, model=None, options=None, **args):
     config = MegaTrainConfig(offload_dir=None if offload_dir is None else str(offload_dir),
-                             offload_state="moments")
+                             offload_state="moments", **(options or {}))
     model = model if model is not None else tiny_model("llama")
     trainer, losses = train(model, training_args(tmp_path / name, **args), callbacks=[MegaTrainPlugin(config)])
     return trainer, model, losses
@@ -52,6 +57,31 @@ def test_moments_on_disk_equal_the_in_ram_run(tmp_path, accumulation):
     assert not os.path.exists(run_dir) and os.listdir(disk) == []
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("mode,accumulation", [("8bit", 1), ("8bit", 2), ("4bit", 1), ("4bit", 2), ("bf16", 1)])
+def test_compressed_moments_on_disk_equal_the_in_ram_run(tmp_path, mode, accumulation, kernel):
+    """The codes and scales page as bytes: the same mode in RAM and on disk give the same run bitwise."""
+    (tmp_path / "disk").mkdir()
+    options = dict(optimizer_state=mode, host_adamw_kernel=kernel)
+    ram, ref, ref_losses = _run(tmp_path, "ram", options=options, gradient_accumulation_steps=accumulation)
+    trainer, got, losses = _run(tmp_path, "disk", tmp_path / "disk", options=options,
+                                gradient_accumulation_steps=accumulation)
+    optimizer = trainer.optimizer.optimizer
+    assert optimizer.kernel == kernel and optimizer.moments is not None and optimizer._pager is not None
+    assert optimizer.moments.tensors == {} and optimizer.moments.nbytes() == 0  # no moment in RAM outside the window
+    # the plan's bytes of the tier are the files' (one rule: core/layout.moment_parts, aligned)
+    assert got._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
+    assert optimizer._pager.bytes_written >= 6 * optimizer._pager.disk_bytes()  # every unit, every step
+    assert losses == ref_losses
+    _assert_equal(state_of(ref), state_of(got))
+    # state_dict() expands the paged codes as it expands those in RAM
+    a, b = ram.optimizer.optimizer.state_dict()["state"], optimizer.state_dict()["state"]
+    assert a.keys() == b.keys()
+    for i in a:
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(a[i][key], b[i][key]), (i, key)
+
+
 def test_lora_with_moments_on_disk_equals_the_in_ram_run(tmp_path):
     peft = pytest.importorskip("peft")
 
@@ -78,54 +108,64 @@ def _optimizer_files(checkpoint) -> dict[str, tuple]:
     return out
 
 
-def test_resume_with_moments_on_disk_equals_the_uninterrupted_in_ram_run(tmp_path):
-    """Checkpoints are written from the tier (the same bytes as the in-RAM run's); a fresh model resumed
-    from one with the moments on disk ends where the uninterrupted in-RAM run ends."""
+@pytest.mark.parametrize("mode", ["fp32", "8bit", "4bit"])
+def test_resume_with_moments_on_disk_equals_the_uninterrupted_in_ram_run(tmp_path, mode):
+    """Checkpoints are written from the tier (the same bytes as the in-RAM run's, compressed or not); a fresh
+    model resumed from one with the moments on disk ends where the uninterrupted in-RAM run ends."""
     (tmp_path / "disk").mkdir()
-    args = dict(save_strategy="steps", save_steps=3)
-    _, ref, ref_losses = _run(tmp_path, "ram", **args)
-    _, _, losses = _run(tmp_path, "disk", tmp_path / "disk", **args)
+    args, options = dict(save_strategy="steps", save_steps=3), dict(optimizer_state=mode)
+    _, ref, ref_losses = _run(tmp_path, "ram", options=options, **args)
+    _, _, losses = _run(tmp_path, "disk", tmp_path / "disk", options=options, **args)
     assert losses == ref_losses
-    assert _optimizer_files(tmp_path / "ram" / "checkpoint-3") == _optimizer_files(tmp_path / "disk" / "checkpoint-3")
+    shards = _optimizer_files(tmp_path / "disk" / "checkpoint-3")
+    assert _optimizer_files(tmp_path / "ram" / "checkpoint-3") == shards
+    assert {meta["optimizer_state"] for meta, _ in shards.values()} == {mode}
     resumed = tiny_model("llama", seed=9)
-    config = MegaTrainConfig(offload_dir=str(tmp_path / "disk"), offload_state="moments")
+    config = MegaTrainConfig(offload_dir=str(tmp_path / "disk"), offload_state="moments", **options)
     trainer, resumed_losses = train(resumed, training_args(tmp_path / "disk", **args),
                                     callbacks=[MegaTrainPlugin(config)],
                                     resume=str(tmp_path / "disk" / "checkpoint-3"))
+    assert trainer.optimizer.optimizer._pager is not None
     assert resumed_losses == ref_losses[len(ref_losses) // 2:]
     _assert_equal(state_of(ref), state_of(resumed))
     assert _optimizer_files(tmp_path / "ram" / "checkpoint-6") == _optimizer_files(tmp_path / "disk" / "checkpoint-6")
 
 
-def test_state_dict_and_load_state_dict_go_through_the_tier(tmp_path):
+@pytest.mark.parametrize("mode", ["fp32", "4bit"])
+def test_state_dict_and_load_state_dict_go_through_the_tier(tmp_path, mode):
     from megatrain_hf import attach
 
-    def run(offload_dir):
+    def run(offload_dir, steps=2):
         model = tiny_model("llama")
         engine = attach(model, MegaTrainConfig())
-        opt = HostAdamW(model.parameters(), engine.store, lr=1e-2, offload_dir=offload_dir)
-        for seed in range(2):
+        opt = HostAdamW(model.parameters(), engine.store, lr=1e-2, offload_dir=offload_dir, state=mode)
+        for seed in range(steps):
             ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad()
         return model, opt
 
+    def assert_same(a, b, keys=("step", "exp_avg", "exp_avg_sq")):
+        assert a["state"].keys() == b["state"].keys()
+        for i in a["state"]:
+            for key in keys:
+                assert torch.equal(a["state"][i][key], b["state"][i][key]), (i, key)
+
     (tmp_path / "d").mkdir()
     _, ram = run(None)
     _, disk = run(str(tmp_path / "d"))
     a, b = ram.state_dict(), disk.state_dict()
-    assert a["state"].keys() == b["state"].keys()
-    for i in a["state"]:
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(a["state"][i][key], b["state"][i][key]), (i, key)
-    fresh_model = tiny_model("llama")
-    fresh = HostAdamW(fresh_model.parameters(), attach(fresh_model).store, offload_dir=str(tmp_path / "d"))
+    assert_same(a, b)
+    # a fresh optimizer loads it into the tier (compressed: from the fp32 values, as one in RAM does)
+    _, fresh = run(str(tmp_path / "d"), steps=0)
+    _, fresh_ram = run(None, steps=0)
     fresh.load_state_dict(a)
-    c = fresh.state_dict()
-    for i in a["state"]:
-        assert torch.equal(a["state"][i]["exp_avg_sq"], c["state"][i]["exp_avg_sq"])
-    for opt in (ram, disk, fresh):
+    fresh_ram.load_state_dict(a)
+    assert_same(fresh_ram.state_dict(), fresh.state_dict())
+    if mode == "fp32":
+        assert_same(a, fresh.state_dict(), keys=("exp_avg_sq",))
+    for opt in (ram, disk, fresh, fresh_ram):
         opt.close()
     assert os.listdir(tmp_path / "d") == []
 
@@ -180,26 +220,32 @@ def test_a_disk_too_small_is_refused_before_allocating(tmp_path, monkeypatch):
     assert not hasattr(model, "_megatrain_engine") and os.listdir(tmp_path / "d") == []
 
 
-def test_auto_puts_the_fewest_units_on_disk_when_ram_is_short(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode", ["fp32", "8bit"])
+def test_auto_puts_the_fewest_units_on_disk_when_ram_is_short(tmp_path, monkeypatch, mode):
     """offload_state='auto': all moments in RAM when they fit; one byte short, the last units' moments go to
-    disk (not all of them), and the run still equals the in-RAM run bitwise."""
+    disk (not all of them), and the run still equals the in-RAM run bitwise (the split counts the moments
+    in their format: 8-bit ones are a quarter of fp32's)."""
     from megatrain_hf import attach
     from megatrain_hf.memory import host
 
     (tmp_path / "d").mkdir()
-    config = MegaTrainConfig(offload_dir=str(tmp_path / "d"))
+    config = MegaTrainConfig(offload_dir=str(tmp_path / "d"), optimizer_state=mode)
     layers = dict(num_hidden_layers=8)
     assert attach(tiny_model("llama", **layers), config).state_tier.on_disk is False  # RAM is plenty
     model = tiny_model("llama", **layers)
     units = [(n, m) for n, m in zip(*_located(model))]
-    needed = sum(host.host_breakdown_for_units(units, compute_dtype=torch.float32, staging=False).values())
+    needed = sum(host.host_breakdown_for_units(units, compute_dtype=torch.float32, staging=False,
+                                               optimizer_state=mode).values())
     current = sum(p.numel() * 4 for p in model.parameters())
     monkeypatch.setattr(host, "available_host_bytes", lambda: host.DEFAULT_HEADROOM_BYTES + needed - 1 - current)
     trainer, losses = train(model, training_args(tmp_path / "auto"), callbacks=[MegaTrainPlugin(config)])
     tier = trainer.optimizer.optimizer._pager
     assert 0 < len(tier.units) < len(units) - 1 and max(tier.units) == len(units) - 1  # the last units
+    moments = trainer.optimizer.optimizer.moments
+    if moments is not None:  # the other units' codes and scales are in RAM, the paged ones' are not
+        assert moments.tensors and set(moments.tensors).isdisjoint(tier.units)
     monkeypatch.undo()
-    _, ref, ref_losses = _run(tmp_path, "ram", model=tiny_model("llama", **layers))
+    _, ref, ref_losses = _run(tmp_path, "ram", model=tiny_model("llama", **layers), options=dict(optimizer_state=mode))
     assert losses == ref_losses
     _assert_equal(state_of(ref), state_of(model))
 
@@ -351,6 +397,35 @@ def test_estimate_prints_the_disk_tier(tmp_path, capsys):
     assert 0 < layers < 32
     assert estimate_main(["--model", "llama-7b", "--offload-dir", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["8bit", "4bit"])
+def test_estimate_prints_the_compressed_disk_tier(tmp_path, capsys, mode):
+    """With --optimizer-state the tier holds the compressed moments: their bytes (codes and scales, each
+    tensor aligned), not fp32's; and the deepest model that fits RAM + disk grows."""
+    import json
+
+    from megatrain_hf.cli.estimate import estimate_main
+    from megatrain_hf.memory.plan import plan_memory
+    from megatrain_hf.memory.shapes import PRESETS
+
+    argv = ["--model", "llama-7b", "--offload-dir", str(tmp_path), "--disk-gib", "20", "--host-gib", "80"]
+    assert estimate_main(argv + ["--json", "--optimizer-state", mode]) == 0
+    d = json.loads(capsys.readouterr().out)["disk_tier"]
+    plan = plan_memory(PRESETS["llama-7b"], seq_len=4096, micro_batch=1, grad_accum=1, optimizer_state=mode)
+    moments = plan.host_exp_avg + plan.host_exp_avg_sq
+    assert d["optimizer_state"] == mode and moments < 2.1 / 8 * PRESETS["llama-7b"].params() * 8
+    assert moments <= d["disk_bytes"] < moments + 4 * 4096 * (PRESETS["llama-7b"].layers + 3)
+    assert d["read_per_step_bytes"] == d["written_per_step_bytes"] == d["disk_bytes"]
+    assert d["host_ram_bytes"] == plan.host_total - moments + d["ram_window_bytes"]
+    assert d["fits"] is True  # 20 GiB of disk: too small for fp32's 50 GiB of moments
+    assert estimate_main(argv) == 0
+    fp32 = capsys.readouterr().out
+    assert estimate_main(argv + ["--optimizer-state", mode]) == 0
+    out = capsys.readouterr().out
+    assert f"disk: AdamW moments (exp_avg + exp_avg_sq, {mode})" in out and "exp_avg_sq, fp32)" in fp32
+    deepest = [int(re.search(r"largest depth that fits RAM \+ disk: (\d+) layers", o).group(1)) for o in (fp32, out)]
+    assert deepest[0] < deepest[1]
 
 
 def test_the_engine_falls_back_to_buffered_io_where_o_direct_is_refused(tmp_path, monkeypatch):

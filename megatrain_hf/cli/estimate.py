@@ -44,8 +44,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
                         help="activation checkpoints in pinned host memory (offload_checkpoints=True): GPU flat "
                              "with depth and micro-batches in flight, host RAM pays")
     parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "8bit", "4bit"], default="fp32",
-                        help="format of the AdamW moments in host RAM (optimizer_state; default fp32, 8 B/param; "
-                             "8bit ~2 B/param, docs/optimizer-state.md)")
+                        help="format of the AdamW moments, in host RAM or with --offload-dir on disk "
+                             "(optimizer_state; default fp32, 8 B/param; 8bit ~2 B/param, docs/optimizer-state.md)")
     parser.add_argument("--sequence-tile-tokens", type=_tile_arg, default="auto", metavar="auto|none|N",
                         help="tokens per MLP tile (sequence_tile_tokens; default auto)")
     parser.add_argument("--checkpoint-interval", type=int, default=1, metavar="K",
@@ -178,7 +178,7 @@ def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int) ->
         free, where = int(args.disk_gib * GiB), "given by --disk-gib"
     else:
         free, where = disk.disk_free_bytes(disk.check_offload_dir(args.offload_dir)), f"free in {args.offload_dir}"
-    tier = disk.shape_tier(shape, plan.compute_dtype, args.lora_rank)
+    tier = disk.shape_tier(shape, plan.compute_dtype, args.lora_rank, optimizer_state=plan.optimizer_state)
     ram = disk.ram_with_tier(plan, tier)
 
     def plan_of(s: ModelShape) -> MemoryPlan:
@@ -186,10 +186,11 @@ def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int) ->
                            compute_dtype=plan.compute_dtype, layer_major=args.layer_major,
                            chunked_loss=args.chunked_loss, host_staging=args.host_staging,
                            offload_checkpoints=args.offload_checkpoints, loss_chunk_tokens=args.loss_chunk_tokens,
-                           lora_rank=args.lora_rank)
+                           lora_rank=args.lora_rank, optimizer_state=plan.optimizer_state)
 
     layers, params = disk.deepest_with_tier(shape, ram_available, free, plan_of)
     return {
+        "optimizer_state": plan.optimizer_state,
         "disk_bytes": tier.disk_bytes, "ram_window_bytes": tier.ram_bytes, "window_slots": disk.DEFAULT_WINDOW,
         "host_ram_bytes": ram, "host_ram_required_bytes": ram + DEFAULT_HEADROOM_BYTES,
         "host_ram_available_bytes": ram_available, "disk_free_bytes": free, "disk_source": where,
@@ -209,7 +210,8 @@ def _disk_table(d: dict) -> str:
         f"  {'RAM: window of ' + str(d['window_slots']) + ' unit slots':<{w - 2}}{_gib(d['ram_window_bytes']):>9}",
         f"  {'RAM total (+ headroom ' + _gib(DEFAULT_HEADROOM_BYTES) + ')':<{w - 2}}"
         f"{_gib(d['host_ram_required_bytes']):>9}   available {_gib(d['host_ram_available_bytes'])}",
-        f"  {'disk: AdamW moments (exp_avg + exp_avg_sq, fp32)':<{w - 2}}{_gib(d['disk_bytes']):>9}",
+        f"  {'disk: AdamW moments (exp_avg + exp_avg_sq, ' + d['optimizer_state'] + ')':<{w - 2}}"
+        f"{_gib(d['disk_bytes']):>9}",
         f"  {'disk total (+ 1.00 headroom)':<{w - 2}}{_gib(d['disk_required_bytes']):>9}   "
         f"{d['disk_source']}: {_gib(d['disk_free_bytes'])}",
         f"  -> {fits}",

@@ -150,12 +150,18 @@ MOMENT_FORMATS = {"fp32": (32, 0), "bf16": (16, 0), "8bit": (8, 256), "4bit": (4
 moments (the formats themselves: ``optim/quant.py``)."""
 
 
-def moment_bytes(sizes: UnitSizes, optimizer_state: str) -> int:
-    """Host bytes of one AdamW moment of one unit in ``optimizer_state``: the codes, laid out like
-    the master flat, plus one fp32 scale per block of each trainable tensor."""
+def moment_parts(sizes: UnitSizes, optimizer_state: str) -> tuple[int, ...]:
+    """Bytes of each contiguous tensor of one AdamW moment of one unit in ``optimizer_state``: the
+    codes, laid out like the master flat, then (blockwise formats) one fp32 scale per block of each
+    trainable tensor. HostAdamW allocates these in RAM; the disk tier pages them as bytes."""
     bits, block = MOMENT_FORMATS[optimizer_state]
-    scales = 4 * max(1, sum(-(-n // block) for n in sizes.train_numels)) if block else 0
-    return (sizes.n_train * bits + 7) // 8 + scales
+    codes = (sizes.n_train * bits + 7) // 8
+    return (codes, 4 * max(1, sum(-(-n // block) for n in sizes.train_numels))) if block else (codes,)
+
+
+def moment_bytes(sizes: UnitSizes, optimizer_state: str) -> int:
+    """Host bytes of one AdamW moment of one unit in ``optimizer_state`` (:func:`moment_parts`' sum)."""
+    return sum(moment_parts(sizes, optimizer_state))
 
 
 def host_tiers(units: list[UnitSizes], compute_dtype: torch.dtype, *, staging: bool,

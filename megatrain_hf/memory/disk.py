@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.disk_io import ALIGN, align_up, check_offload_dir
-from ..core.layout import UnitSizes
+from ..core.layout import UnitSizes, moment_bytes, moment_parts
 from . import host as host_memory
 from .host import GiB, gib
 
@@ -28,7 +28,6 @@ same number as ``optim/paged_state.py``'s default."""
 DISK_HEADROOM_BYTES = 1 * GiB
 """Free space left on ``offload_dir``'s filesystem on top of the tier (logs, checkpoints' temp files)."""
 
-MOMENT_BYTES = 8  # HostAdamW: exp_avg + exp_avg_sq, fp32, per trainable element
 
 
 @dataclass(frozen=True)
@@ -43,11 +42,14 @@ class DiskTier:
     written_per_step: int = 0  # bytes written per optimizer step (every unit once)
 
 
-def tier_bytes(sizes: list[UnitSizes], window: int = DEFAULT_WINDOW, units: list[int] | None = None) -> DiskTier:
+def tier_bytes(sizes: list[UnitSizes], window: int = DEFAULT_WINDOW, units: list[int] | None = None,
+               optimizer_state: str = "fp32") -> DiskTier:
     """The moments of ``units`` (default: every unit with trainable parameters) of units laid out as
-    ``sizes`` on disk: per unit one file, each moment ALIGN-aligned; ``window`` slots of the largest in RAM."""
+    ``sizes`` on disk, in ``optimizer_state``'s format: per unit one file, each of the moments' tensors
+    (fp32 flats, or codes and scales: ``core/layout.moment_parts``) ALIGN-aligned; ``window`` slots of
+    the largest in RAM."""
     units = [u for u, s in enumerate(sizes) if s.n_train] if units is None else units
-    per_unit = [2 * align_up(MOMENT_BYTES // 2 * sizes[u].n_train) for u in units]
+    per_unit = [2 * sum(align_up(n) for n in moment_parts(sizes[u], optimizer_state)) for u in units]
     total = sum(per_unit)
     slot = max(per_unit + [ALIGN])
     return DiskTier(True, tuple(units), total, min(window, len(units)) * slot, total, total)
@@ -66,7 +68,7 @@ def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
     raise MemoryError(
         f"megatrain's disk tier needs {gib(needed)} GiB in offload_dir={offload_dir!r} (+ {gib(DISK_HEADROOM_BYTES)} "
         f"GiB headroom) but its filesystem has {gib(free)} GiB free:\n"
-        f"  AdamW moments (exp_avg + exp_avg_sq, fp32)   {gib(needed):>9} GiB\n"
+        f"  AdamW moments (exp_avg + exp_avg_sq)         {gib(needed):>9} GiB\n"
         f"  + headroom                                   {gib(DISK_HEADROOM_BYTES):>9} GiB\n"
         f"  free on {path}   {gib(free):>9} GiB\n"
         f"  short by                                     {gib(needed + DISK_HEADROOM_BYTES - free):>9} GiB\n"
@@ -83,7 +85,7 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
     ``offload_state="auto"``: the moments stay in RAM when the plan fits there, else the fewest units'
     moments go to disk (the last units in update order first) that make it fit; ``"moments"``: every
     unit's on disk whatever RAM there is. Without ``offload_dir``: RAM (``host.admit``).
-    ``optimizer_state``: the moments' format (False: no HostAdamW state); only fp32 moments page to disk.
+    ``optimizer_state``: the moments' format (False: no HostAdamW state; True: fp32), paged in that format.
     ``quantize``: the quantized base's schemes (``host.host_breakdown_for_units``).
     """
     staging_default = host_staging is not False
@@ -96,14 +98,11 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
 
     if offload_dir is None or optimizer_state is False:
         return ram(optimizer_state), DiskTier(False)
-    if optimizer_state not in (True, "fp32"):
-        raise ValueError(f"offload_dir={offload_dir!r} with optimizer_state={optimizer_state!r}: the disk tier pages "
-                         "fp32 moments only in this version (compressed moments stay in host RAM). Fix: "
-                         "optimizer_state='fp32' with offload_dir, or leave offload_dir unset.")
+    state = "fp32" if optimizer_state is True else optimizer_state
     check_offload_dir(offload_dir)
     if offload_state == "auto":
         try:
-            return ram(True), DiskTier(False)
+            return ram(state), DiskTier(False)
         except MemoryError:
             pass
     sizes = host_memory.unit_sizes(units, compute_dtype=compute_dtype, embedding_units=embedding_units,
@@ -111,8 +110,8 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
     with_state = [u for u, s in enumerate(sizes) if s.n_train]
 
     def split(k: int) -> tuple[DiskTier, dict]:  # the last k units' moments on disk
-        tier = tier_bytes(sizes, units=with_state[len(with_state) - k:])
-        kept = sum(MOMENT_BYTES * sizes[u].n_train for u in with_state[: len(with_state) - k])
+        tier = tier_bytes(sizes, units=with_state[len(with_state) - k:], optimizer_state=state)
+        kept = sum(2 * moment_bytes(sizes[u], state) for u in with_state[: len(with_state) - k])
         return tier, {"disk_slots": tier.ram_bytes, "moments_in_ram": kept}
 
     k = len(with_state)
@@ -129,21 +128,23 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
     tier, extra = split(k)
     check_disk(offload_dir, tier.disk_bytes)
     staging = ram(False, extra)
-    logger.info("megatrain: AdamW moments of %d of %d units on disk (offload_dir=%s, offload_state=%r): %.2f GiB "
-                "on disk, %.2f GiB of RAM slots, %.2f GiB read and written per optimizer step", k, len(with_state),
-                offload_dir, offload_state, tier.disk_bytes / GiB, tier.ram_bytes / GiB, tier.written_per_step / GiB)
+    logger.info("megatrain: AdamW moments (%s) of %d of %d units on disk (offload_dir=%s, offload_state=%r): %.2f "
+                "GiB on disk, %.2f GiB of RAM slots, %.2f GiB read and written per optimizer step", state, k,
+                len(with_state), offload_dir, offload_state, tier.disk_bytes / GiB, tier.ram_bytes / GiB,
+                tier.written_per_step / GiB)
     return staging, tier
 
 
 # ---------------------------------------------------------------------------------- planning from a shape
 def shape_tier(shape, compute_dtype: str = "bf16", lora_rank: int | None = None,
-               window: int = DEFAULT_WINDOW) -> DiskTier:
+               window: int = DEFAULT_WINDOW, optimizer_state: str = "fp32") -> DiskTier:
     """:func:`tier_bytes` of a model shape (``memory/shapes.py``), as the store would lay it out."""
     from .plan import _DTYPE_BY_NAME, LORA_TARGETS, _layout
     from ..core.layout import lay_out
 
     dtype = _DTYPE_BY_NAME[compute_dtype]
-    return tier_bytes([lay_out(u.specs(dtype)) for u in _layout(shape, lora_rank, LORA_TARGETS)], window)
+    return tier_bytes([lay_out(u.specs(dtype)) for u in _layout(shape, lora_rank, LORA_TARGETS)], window,
+                      optimizer_state=optimizer_state)
 
 
 def ram_with_tier(plan, tier: DiskTier) -> int:
@@ -159,7 +160,7 @@ def deepest_with_tier(shape, ram_available: int, disk_free: int, plan_of) -> tup
     a bisection finds it (0 when not even one layer fits)."""
     def fits(layers: int) -> bool:
         plan = plan_of(shape.with_layers(layers))
-        tier = shape_tier(plan.shape, plan.compute_dtype, plan.lora_rank)
+        tier = shape_tier(plan.shape, plan.compute_dtype, plan.lora_rank, optimizer_state=plan.optimizer_state)
         base = ram_with_tier(plan, tier) + host_memory.DEFAULT_HEADROOM_BYTES  # every moment on disk
         slot = tier.ram_bytes // DEFAULT_WINDOW
         to_disk = max(0, base + tier.disk_bytes - ram_available)  # moments RAM cannot keep

@@ -78,7 +78,8 @@ class MemoryOptions:
 
     offload_dir: Annotated[str | None, _check_offload_dir] = None
     """A directory on a local disk for the disk tier ([disk tier](disk-tier.md)): with it, the AdamW
-    moments (8 B per trainable parameter) can live in files there instead of host RAM, read a few
+    moments (8 B per trainable parameter in fp32, less in `optimizer_state`'s compressed formats)
+    can live in files there instead of host RAM, read a few
     units ahead of the update and written back behind it (the order is known: exact prefetch).
     megatrain creates its own directory inside it (mode 0700, unique per run, removed at exit).
     Where the moments go is `offload_state`'s choice. `None`: everything in RAM."""

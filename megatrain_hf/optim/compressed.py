@@ -40,28 +40,43 @@ def tensor_names(fmt: Format) -> list[str]:
 
 
 class CompressedMoments:
-    """The compressed moments of every unit an optimizer updates."""
+    """The compressed moments of every unit an optimizer updates.
+
+    ``paged``: units whose tensors live elsewhere (the disk tier's slots, ``paged_state.py``): none
+    is allocated for them here, only their specs (:attr:`specs`); :meth:`views` builds the entries'
+    states over the tensors the caller holds.
+    """
 
     def __init__(self, fmt: Format, entries: dict[int, list[Entry]], numels: dict[int, int],
-                 allocate: Callable[[int, torch.dtype], torch.Tensor]) -> None:
+                 allocate: Callable[[int, torch.dtype], torch.Tensor], paged=frozenset()) -> None:
         self.fmt = fmt
-        self.tensors: dict[int, dict[str, torch.Tensor]] = {}
-        self.entries: dict[int, dict[int, EntryState]] = {}  # unit -> id(entry.tensor) -> its state
+        self.specs: dict[int, dict[str, tuple[int, torch.dtype]]] = {}  # unit -> name -> (elements, dtype)
+        self.tensors: dict[int, dict[str, torch.Tensor]] = {}  # the units in RAM only
+        self.entries: dict[int, dict[int, EntryState]] = {}  # unit in RAM -> id(entry.tensor) -> its state
+        self._blocks: dict[int, dict[int, tuple[Entry, int]]] = {}  # unit -> id(entry.tensor) -> (entry, 1st block)
         for u, unit_entries in entries.items():
             ordered = sorted({id(e.tensor): e for e in unit_entries}.values(), key=lambda e: e.offset)
             block_at, n_blocks = {}, 0
             for e in ordered:
-                block_at[id(e.tensor)] = n_blocks
+                block_at[id(e.tensor)] = (e, n_blocks)
                 n_blocks += fmt.blocks(e.numel)
-            tensors = {}
+            self._blocks[u] = block_at
+            spec = {}
             for m in MOMENTS:
                 if fmt.quantized:
-                    tensors[f"{m}.codes"] = allocate(fmt.code_bytes(numels[u]), torch.uint8).zero_()
-                    tensors[f"{m}.scales"] = allocate(max(n_blocks, 1), torch.float32).zero_()
+                    spec[f"{m}.codes"] = (fmt.code_bytes(numels[u]), torch.uint8)
+                    spec[f"{m}.scales"] = (max(n_blocks, 1), torch.float32)
                 else:
-                    tensors[m] = allocate(numels[u], torch.bfloat16).zero_()
-            self.tensors[u] = tensors
-            self.entries[u] = {id(e.tensor): self._entry(tensors, e, block_at[id(e.tensor)]) for e in ordered}
+                    spec[m] = (numels[u], torch.bfloat16)
+            self.specs[u] = spec
+            if u not in paged:
+                self.tensors[u] = {name: allocate(n, dtype).zero_() for name, (n, dtype) in spec.items()}
+                self.entries[u] = self.views(u, self.tensors[u])
+
+    def views(self, u: int, tensors: dict[str, torch.Tensor]) -> dict[int, EntryState]:
+        """Each entry's state (by ``id(entry.tensor)``) over ``tensors``: unit ``u``'s tensors, as
+        :attr:`specs` names them (its own flats in RAM, or a disk-tier slot's views)."""
+        return {key: self._entry(tensors, e, block) for key, (e, block) in self._blocks[u].items()}
 
     def _entry(self, tensors: dict[str, torch.Tensor], e: Entry, block: int) -> EntryState:
         fmt = self.fmt
@@ -74,7 +89,9 @@ class CompressedMoments:
         return EntryState(e.numel, codes, scales)
 
     def of(self, u: int, e: Entry) -> EntryState:
+        """An entry's state of a unit in RAM (a paged unit's: :meth:`views` of its resident tensors)."""
         return self.entries[u][id(e.tensor)]
 
     def nbytes(self) -> int:
+        """Bytes of the moments in RAM (paged units' are not here)."""
         return sum(t.numel() * t.element_size() for unit in self.tensors.values() for t in unit.values())

@@ -73,12 +73,6 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         self.format = format_of(state)  # refuses an unknown format, naming the allowed ones
         self.offload_dir, self.offload_window, self._pager = offload_dir, offload_window, None  # _pager: PagedState
         self._offload_units = None if offload_units is None else frozenset(offload_units)  # None: all units
-        if offload_dir is not None and self.format.mode != "fp32":
-            raise ValueError(
-                f"HostAdamW(state={state!r}, offload_dir={offload_dir!r}): compressed moments are kept in host RAM; "
-                "the disk tier pages fp32 moments only in this version. Fix: optimizer_state='fp32' with "
-                "offload_dir, or the compressed moments without offload_dir (8bit needs ~2 B/param of RAM)."
-            )
         self.device = device if device is not None else torch.device("cpu")  # where the uploads run
         self._native = None
         if kernel == "native":
@@ -144,11 +138,13 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         self._plan = {u: dict(groups) for u, groups in sorted(plan.items()) if self.store.owns(u)}
         self._exp_avg: dict[int, torch.Tensor] = {}
         self._exp_avg_sq: dict[int, torch.Tensor] = {}
+        paged = frozenset() if self.offload_dir is None else frozenset(
+            u for u in self._plan if self._offload_units is None or u in self._offload_units)  # on disk
         self.moments: CompressedMoments | None = None  # the compressed moments (None: fp32 flats)
-        if self.format.mode != "fp32":
+        if self.format.mode != "fp32":  # a paged unit's codes and scales live in the disk tier's slots
             self.moments = CompressedMoments(
                 self.format, {u: [e for entries in groups.values() for e in entries] for u, groups in self._plan.items()},
-                {u: self.store.buffers[u].master_host.numel() for u in self._plan}, self.store.allocate)
+                {u: self.store.buffers[u].master_host.numel() for u in self._plan}, self.store.allocate, paged)
         # one step counter per parameter, as torch's AdamW: a parameter without a gradient in a
         # step keeps its count (and its bias correction)
         self._steps: dict[tuple[int, int], list[torch.Tensor]] = {}
@@ -156,8 +152,8 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         if self.offload_dir is not None:
             from .paged_state import DEFAULT_WINDOW, PagedState
 
-            paged = {u: spec for u, spec in specs.items() if self._offload_units is None or u in self._offload_units}
-            self._pager = PagedState(self.offload_dir, paged, self.offload_window or DEFAULT_WINDOW)
+            self._pager = PagedState(self.offload_dir, {u: specs[u] for u in sorted(paged)},
+                                     self.offload_window or DEFAULT_WINDOW)
         for u, groups in self._plan.items():
             if self.moments is None and not self._paged(u):
                 self._exp_avg[u] = self.store.allocate(specs[u]["exp_avg"][0], torch.float32).zero_()
@@ -226,7 +222,9 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
             return None
         states = [self.state[e.tensor] for e in updated]
         lr = group["lr"]
-        compressed = None if self.moments is None else [self.moments.of(u, e) for e in updated]
+        compressed = None  # fp32; compressed: the entries' states (a paged unit's: bound by paged_in, _bind)
+        if self.moments is not None:
+            compressed = [] if self._paged(u) else [self.moments.of(u, e) for e in updated]
         return GroupWork(
             entries=updated,
             steps=[s["step"] for s in states],
@@ -289,13 +287,19 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
 
     def _update(self, job: UnitJob, on_device: bool) -> None:
         # with the disk tier the moments' views are in a slot while the update runs
-        with self._pager.paged_in(job) if self._paged(job.unit) else contextlib.nullcontext():
+        bind = None if self.moments is None else self._bind
+        with self._pager.paged_in(job, bind) if self._paged(job.unit) else contextlib.nullcontext():
             self._update_resident(job)
 
     disk_tier = property(lambda self: self._pager, doc="The PagedState of the moments on disk (None: all in RAM).")
 
     def _paged(self, u: int) -> bool:
         return self._pager is not None and u in self._pager.units
+
+    def _bind(self, u: int, tensors: dict[str, torch.Tensor], work: GroupWork) -> None:
+        """(paged compressed unit) Point ``work`` at its entries' states over the slot's ``tensors``."""
+        states = self.moments.views(u, tensors)
+        work.compressed = [states[id(e.tensor)] for e in work.entries]
 
     def _update_resident(self, job: UnitJob) -> None:
         u = job.unit

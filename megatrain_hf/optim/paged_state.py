@@ -1,7 +1,8 @@
 """The disk tier of the optimizer state: each unit's state tensors in a file, paged through a window.
 
 A unit's optimizer state is whatever contiguous tensors the optimizer holds for it (HostAdamW:
-``exp_avg`` and ``exp_avg_sq``, fp32 flats laid out like the unit's master flat). They are paged as
+``exp_avg`` and ``exp_avg_sq``, fp32 flats laid out like the unit's master flat, or with
+``optimizer_state`` "bf16" / "8bit" / "4bit" the compressed moments' codes and scales). They are paged as
 raw bytes, so any representation works: one file per unit in this run's directory, each tensor at
 an :data:`~megatrain_hf.core.disk_io.ALIGN`-aligned offset. RAM holds ``window`` *slots* (each the
 size of the largest unit's state); the update order is known in advance (forward order), so
@@ -161,17 +162,25 @@ class PagedState:
             self.release(u, dirty=write)
 
     @contextlib.contextmanager
-    def paged_in(self, job):
-        """A HostAdamW ``UnitJob`` with its moments' views in a slot; written back after the block."""
+    def paged_in(self, job, bind=None):
+        """A HostAdamW ``UnitJob`` with its moments' views in a slot; written back after the block.
+
+        ``bind(unit, tensors, work)``: points one of the job's ``GroupWork`` at the slot's tensors (the
+        compressed formats' entry states); default: views of fp32 ``exp_avg`` / ``exp_avg_sq`` flats."""
         with self.resident(job.unit, write=True) as flats:
             try:
                 for w in job.work:
+                    if bind is not None:
+                        bind(job.unit, flats, w)
+                        continue
                     w.exp_avgs = [_view(flats["exp_avg"], e) for e in w.entries]
                     w.exp_avg_sqs = [_view(flats["exp_avg_sq"], e) for e in w.entries]
                 yield
             finally:
-                for w in job.work:
+                for w in job.work:  # no view of a slot outlives the block (the slot is reused)
                     w.exp_avgs, w.exp_avg_sqs = [], []
+                    if w.compressed is not None:
+                        w.compressed = []
 
     def flush(self) -> None:
         """Wait for every write-back; raise the first that failed."""

@@ -17,7 +17,7 @@ class AdamWStateIO:
     def state_spec(self, u: int) -> dict[str, tuple[int, torch.dtype]]:
         """Unit ``u``'s contiguous state tensors: name -> (elements, dtype); the disk tier pages these as bytes."""
         if self.moments is not None:  # the codes and scales (or bf16 moments) of the compressed format
-            return {name: (t.numel(), t.dtype) for name, t in self.moments.tensors[u].items()}
+            return dict(self.moments.specs[u])
         numel = self.store.buffers[u].master_host.numel()
         return {"exp_avg": (numel, torch.float32), "exp_avg_sq": (numel, torch.float32)}
 
@@ -45,14 +45,16 @@ class AdamWStateIO:
         loaded = {p: saved[i] for i, p in zip(ids, params) if i in saved}
         self._build_state_views()
         for u, groups in self._plan.items():
-            if self.moments is not None:  # compressed from the saved fp32 values
-                for gi, entries in groups.items():
-                    for e, step in zip(entries, self._steps[(u, gi)]):
-                        src = loaded.get(e.tensor, {})
-                        step.fill_(float(src["step"]) if "step" in src else 0.0)
-                        for k, key in enumerate(("exp_avg", "exp_avg_sq")):
-                            value = src[key].reshape(e.shape) if key in src else torch.zeros(e.numel)
-                            self.moments.of(u, e).assign(self.format, k, value)
+            if self.moments is not None:  # compressed from the saved fp32 values (in RAM or in a slot)
+                with self.unit_state(u, write=True) as tensors:
+                    states = self.moments.views(u, tensors)
+                    for gi, entries in groups.items():
+                        for e, step in zip(entries, self._steps[(u, gi)]):
+                            src = loaded.get(e.tensor, {})
+                            step.fill_(float(src["step"]) if "step" in src else 0.0)
+                            for k, key in enumerate(("exp_avg", "exp_avg_sq")):
+                                value = src[key].reshape(e.shape) if key in src else torch.zeros(e.numel)
+                                states[id(e.tensor)].assign(self.format, k, value)
                 continue
             with self.unit_state(u, write=True) as flats:
                 for gi, entries in groups.items():
@@ -88,13 +90,15 @@ class AdamWStateIO:
         if self.moments is not None:
             index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
             for u, groups in self._plan.items():
-                for entries in groups.values():
-                    for e in entries:
-                        st = self.moments.of(u, e)
-                        out["state"][index[id(e.tensor)]].update(
-                            exp_avg=st.expand(self.format, 0).view(e.shape),
-                            exp_avg_sq=st.expand(self.format, 1).view(e.shape))
-        if self._pager is not None:
+                with self.unit_state(u) as tensors:  # paged in from the disk tier when it is there
+                    states = self.moments.views(u, tensors)
+                    for entries in groups.values():
+                        for e in entries:
+                            st = states[id(e.tensor)]
+                            out["state"][index[id(e.tensor)]].update(
+                                exp_avg=st.expand(self.format, 0).view(e.shape),
+                                exp_avg_sq=st.expand(self.format, 1).view(e.shape))
+        elif self._pager is not None:
             from .paged_state import fill_state_dict
 
             fill_state_dict(self, out)
