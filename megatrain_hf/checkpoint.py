@@ -25,6 +25,7 @@ layout (a full copy in RAM, compressed moments expanded to fp32), for tools that
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable
 
@@ -292,10 +293,7 @@ def to_torch_state_dict(folder: str) -> dict:
 
 
 def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    return math.prod(shape)
 
 
 def _block_offsets(fmt, params: list[list]) -> dict[int, int]:

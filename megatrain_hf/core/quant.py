@@ -23,6 +23,7 @@ in fp32, only ``CHUNK_ELEMENTS`` of it at a time (plus, for NF4, the tensor's fp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -102,10 +103,7 @@ class QuantFormat:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def blocks(self) -> int:

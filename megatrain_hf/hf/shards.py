@@ -13,6 +13,7 @@ range, then the bytes (little-endian, C order).
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -44,10 +45,7 @@ class Stored:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 def read_header(path: str) -> dict[str, Stored]:

@@ -11,6 +11,7 @@ autocast state), holding them for the block's other backwards (at most k-1 input
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import TYPE_CHECKING
 
@@ -72,14 +73,21 @@ class Checkpoints:
         ctx.recomputed = None
         return x
 
-    def _forward_again(self, call: "Call", x: torch.Tensor) -> torch.Tensor:
-        """A call's forward once more (no graph), with its RNG and autocast state: its output again."""
+    @contextlib.contextmanager
+    def replayed_rng(self, call: "Call"):
+        """The RNG state the call's forward drew from (CPU, and the device's), restored afterwards;
+        a call that drew nothing (``cpu_rng`` None) runs on the current state."""
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices, enabled=call.cpu_rng is not None, device_type=self.device.type):
             if call.cpu_rng is not None:
                 torch.set_rng_state(call.cpu_rng)
                 if call.dev_rng is not None:
                     torch.cuda.set_rng_state(call.dev_rng, self.device)
+            yield
+
+    def _forward_again(self, call: "Call", x: torch.Tensor) -> torch.Tensor:
+        """A call's forward once more (no graph), with its RNG and autocast state: its output again."""
+        with self.replayed_rng(call):
             with torch.no_grad(), self._autocast(call.autocast):
                 # as a recompute: only the hooks that changed a value in the forward run again (others
                 # would record twice, e.g. captured router logits)

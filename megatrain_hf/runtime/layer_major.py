@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from .streamed_call import autocast_state
+from .autocast import autocast_state
 
 _local = threading.local()
 

@@ -44,6 +44,7 @@ from ..core.layout import Entry
 from ..core.store import unfrozen_error
 from ..core.streamer import Streamer
 from ..core.template import HookRecord, Mirror, Template
+from .autocast import autocast_state
 from .checkpoints import Checkpoints
 from .tiling import tileable_mlp, tiled
 
@@ -77,13 +78,6 @@ class Call:
     seen_at: list[int] = field(default_factory=list)  # positions in HookRecord.seen that are node outputs
     seen_shapes: list[tuple] = field(default_factory=list)  # (number seen, shapes of those outputs)
     parent: Any = None  # checkpoint_interval > 1: the node whose output is this call's input (not kept)
-
-
-def autocast_state(device_type: str) -> tuple[bool, torch.dtype, bool]:
-    """(enabled, dtype, cache_enabled) of autocast on ``device_type`` in this thread: what a deferred
-    computation (a recompute, a coroutine's call run by the driver) must run under again."""
-    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled())
 
 
 class StreamedUnit(torch.autograd.Function):
@@ -266,12 +260,7 @@ class UnitRunner(Checkpoints):
     def recompute_backward(self, call: Call, x: torch.Tensor, grad_out: torch.Tensor,
                            grad_seen: tuple = ()) -> torch.Tensor | None:
         unit = self.units[call.unit]
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=call.cpu_rng is not None, device_type=self.device.type):
-            if call.cpu_rng is not None:
-                torch.set_rng_state(call.cpu_rng)
-                if call.dev_rng is not None:
-                    torch.cuda.set_rng_state(call.dev_rng, self.device)
+        with self.replayed_rng(call):
             tensors = self.streamer.fetch(call.unit)
             trained = [e for e in unit.trainable if e.tensor.requires_grad]
             leaves = []

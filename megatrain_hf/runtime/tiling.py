@@ -25,6 +25,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .autocast import autocast_state
+
 MLP_ATTRS = ("mlp", "feed_forward")
 """Attributes of a decoder layer under which families keep their MLP."""
 
@@ -119,11 +121,6 @@ class TiledMLP(torch.autograd.Function):
         return (None, None, None, None, grad_x.reshape(x.shape) if need_x else None, *pgrads)
 
 
-def _autocast_now(device_type: str) -> tuple[bool, torch.dtype, bool]:
-    return (torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type),
-            torch.is_autocast_cache_enabled())
-
-
 def tiled_forward(mlp: nn.Module, tile: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """A replacement of ``mlp.forward`` that runs it over ``tile`` tokens at a time."""
     forward = type(mlp).forward.__get__(mlp)
@@ -137,7 +134,7 @@ def tiled_forward(mlp: nn.Module, tile: int) -> Callable[[torch.Tensor], torch.T
             return out.reshape(*shape[:-1], out.shape[-1])
         bound = _bound_params(mlp)
         slots = [(m, name) for m, name, _ in bound]
-        return TiledMLP.apply(forward, slots, tile, _autocast_now(x.device.type), x, *[p for _, _, p in bound])
+        return TiledMLP.apply(forward, slots, tile, autocast_state(x.device.type), x, *[p for _, _, p in bound])
 
     return run
 
