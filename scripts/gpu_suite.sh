@@ -49,8 +49,18 @@
 #                         fine-tune of the Llama-2-13B shape (hidden 5120, fp32 masters, no host staging)
 #                         at 64K tokens/step (seq 4096 x mb 1 x ga 16), 1 warm-up + 1 measured step,
 #                         as many of its 40 layers as RAM + free disk hold (the estimate's largest depth:
-#                         all 40 need ~194 GiB of fp32 state, more than 125 GiB RAM + 64 GiB disk)
+#                         all 40 need ~194 GiB of fp32 state, more than 125 GiB RAM + 64 GiB disk), with
+#                         8-bit moments (optimizer_state="8bit", offload_state="moments": all 40 layers fit,
+#                         96.98 GiB RAM + 24.62 GiB on disk by the estimate)
 #                         not measured yet: ~60 s rates + ~110 s build + 3 x ~60 s/step   ~350 s
+#   quality               compressed moments' training quality (scripts/optimizer_state_quality.py): a Llama of
+#                         hidden 640 x 8 layers (38.6 M params), 300 steps x 16 x 128 tokens of the demo corpus,
+#                         fp32 / 8bit / 4bit side by side (three processes on the one GPU, fp32 compute),
+#                         held-out loss every 50 steps; not measured on a GPU before: ~40 s corpus and
+#                         tokenizer + ~300 x 0.2 s                                       ~150 s
+#   state-3b              the update's cost per optimizer_state: 3.14 B at 16K tokens/step (seq 4096 x mb 4 x
+#                         ga 1, the step waits for the update), 3 warm-up + 4 measured, megatrain with fp32,
+#                         8bit and 4bit moments in RAM (three bench invocations); ~85 s each ~270 s
 #   dp-7b                 data parallelism (docs/distributed.md), on a machine with >= 2 GPUs (nvidia-h200-x2):
 #                         7 B (Llama-2 shape) at the same tokens per GPU (seq 4096 x mb 2 x ga 4, 32K per GPU
 #                         and step), 4 steps, scripts/gpu_train.py under torchrun on 1 and on 2 GPUs; not
@@ -102,9 +112,10 @@ ARGS[longctx-256k]="$LC --seq-len 262144 --warmup-steps 0 --steps 1 --timeout 56
 ARGS[qlora-70b]="--model llama-70b --seq-len 2048 --micro-batch 1 --grad-accum 2 --warmup-steps 1 --steps 2 --systems megatrain --lora-rank 16 --base-quantization nf4 --timeout 560"
 CONFIG_QLORA='{"max_gpu_memory": "24GiB"}'
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
-EST=([tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
+S3B="--model llama-3.14b --seq-len 4096 --micro-batch 4 --grad-accum 1 --warmup-steps 3 --steps 4 --systems megatrain --timeout 170"
+EST=([quality]=150 [state-3b]=270 [tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
      [1.36b]=115 [7b]=165 [soak]=330 [qlora-70b]=450 [probe]=20 [disk-13b]=350 [dp-7b]=300 [longctx]=450 [longctx-more]=400)
-ORDER="tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak qlora-70b probe disk-13b dp-7b longctx longctx-more"
+ORDER="quality state-3b tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak qlora-70b probe disk-13b dp-7b longctx longctx-more"
 D13="--model llama-13b --seq-len 4096 --micro-batch 1 --grad-accum 16"
 DP7B="--system megatrain --hidden 4096 --intermediate 11008 --layers 32 --heads 32 --seq 4096 --micro-batch 2 --grad-accum 4 --steps 4"
 
@@ -196,13 +207,25 @@ for stage in "${stages[@]}"; do
       run "$R/disk-rates.log" timeout "$(left 150)" python3 scripts/disk_rates.py --dir "$D" --gib 8 --threads 4 8
       [ -z "$DRY" ] && summary "disk rates rc=$? $(tail -4 "$R/disk-rates.log" | tr -d '\n ')"
       # shellcheck disable=SC2086  # D13 are words
-      run "$R/disk-13b-estimate.json" python3 -m megatrain_hf.cli estimate $D13 --no-host-staging --offload-dir "$D" --json
-      layers=40  # under --dry-run the shape's own depth; a real run takes the estimate's
-      [ -z "$DRY" ] && layers=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['disk_tier']['max_layers'])" \
-        "$R/disk-13b-estimate.json") && summary "disk-13b: the estimate's largest depth: $layers layers"
+      run "$R/disk-13b-estimate.json" python3 -m megatrain_hf.cli estimate $D13 --no-host-staging --optimizer-state 8bit \
+        --offload-dir "$D" --json
+      layers=40  # under --dry-run the shape's own depth; a real run takes the estimate's, at most the shape's 40
+      [ -z "$DRY" ] && layers=$(python3 -c "import json,sys; print(min(40, json.load(open(sys.argv[1]))['disk_tier']['max_layers']))" \
+        "$R/disk-13b-estimate.json") && summary "disk-13b: the estimate's largest depth (at most 40): $layers layers"
       bench_stage disk-13b "$D13 --layers $layers --warmup-steps 1 --steps 1 --systems megatrain --timeout 480 --dtype bf16 --device cuda" \
-        "{\"offload_dir\": \"$D\", \"host_staging\": false}"
+        "{\"offload_dir\": \"$D\", \"host_staging\": false, \"optimizer_state\": \"8bit\", \"offload_state\": \"moments\"}"
       [ -z "$DRY" ] && rm -rf "$D";;
+    quality)
+      [ -z "$DRY" ] && mkdir -p "$R/quality"
+      run "$R/quality/quality.log" timeout "$(left 400)" python3 scripts/optimizer_state_quality.py --device cuda \
+        --steps 300 --eval_every 50 --hidden 640 --layers 8 --batch 16 --seq 128 --threads 4 --work "$R/quality" \
+        --out "$R/quality/optimizer-state-quality-gpu-$C"
+      rc=$?; [ -z "$DRY" ] && summary "quality rc=$rc $(tail -3 "$R/quality/quality.log" | tr '\n' ' ')"
+      [ -z "$DRY" ] && cp "$R/quality/optimizer-state-quality-gpu-$C.json" "$OUT/" 2>/dev/null;;
+    state-3b)
+      for mode in fp32 8bit 4bit; do
+        bench_stage "state-3b-$mode" "$S3B --dtype bf16 --device cuda" "{\"optimizer_state\": \"$mode\"}"
+      done;;
     dp-7b)
       [ -z "$DRY" ] && mkdir -p "$R/dp-7b"
       for n in 1 2; do

@@ -61,7 +61,7 @@ def run_mode(args) -> None:
         output_dir=os.path.join(args.work, args.mode), max_steps=args.steps, per_device_train_batch_size=args.batch,
         per_device_eval_batch_size=16, learning_rate=args.lr, warmup_steps=args.steps // 10,
         lr_scheduler_type="cosine", weight_decay=0.1, max_grad_norm=1.0, logging_steps=1, eval_strategy="steps",
-        eval_steps=args.eval_every, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
+        eval_steps=args.eval_every, save_strategy="no", report_to=[], use_cpu=args.device == "cpu", seed=0, data_seed=0,
         dataloader_num_workers=0, disable_tqdm=True,
     )
     plugin = MegaTrainPlugin(optimizer_state=args.mode, host_adamw_kernel="native", metrics="none")
@@ -74,6 +74,12 @@ def run_mode(args) -> None:
            "train_s": time.time() - record.started, "kernel": trainer.optimizer.optimizer.kernel}
     with open(os.path.join(args.work, f"{args.mode}.json"), "w") as f:
         json.dump(out, f)
+
+
+def torch_device_name() -> str:
+    import torch
+
+    return f"{torch.cuda.get_device_name()} (fp32 compute)"
 
 
 def plot(results: dict, path: str, title: str) -> None:
@@ -143,6 +149,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--chars", type=int, default=3_000_000, help="characters of stdlib code in the corpus")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per mode's process")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the model computes (fp32 either way; the moments are on the host in both)")
+    parser.add_argument("--from_json", default=None,
+                        help="only draw the chart of a finished run's JSON (written where matplotlib is missing)")
     parser.add_argument("--work", default="/tmp/optimizer-state-quality")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "results", "optimizer-state-quality"),
                         help="prefix of the .json and .png written")
@@ -152,13 +162,19 @@ def main() -> None:
     if args.from_log:
         chart_log(args)
         return
+    if args.from_json:
+        with open(args.from_json) as f:
+            summary = json.load(f)
+        plot(summary["results"], args.out + ".png", summary["title"])
+        return
     if args.mode:
         run_mode(args)
         return
     os.makedirs(args.work, exist_ok=True)
     modes = args.modes.split(",")
     started = time.time()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("MEGATRAIN_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     child = [a for a in sys.argv[1:]]
     procs = {m: subprocess.Popen([sys.executable, __file__, *child, "--mode", m]) for m in modes}
     failed = [m for m, p in procs.items() if p.wait() != 0]
@@ -169,13 +185,17 @@ def main() -> None:
         with open(os.path.join(args.work, f"{m}.json")) as f:
             results[m] = json.load(f)
     n = results[modes[0]]["params"]
+    where = "2-core CPU" if args.device == "cpu" else torch_device_name()
     title = (f"llama {n / 1e6:.1f} M params, {args.steps} steps x {args.batch} x {args.seq} tokens, stdlib code "
-             f"(commit {commit}, 2-core CPU)")
-    summary = {"commit": commit, "command": " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
+             f"(commit {commit}, {where})")
+    summary = {"commit": commit, "title": title, "command": " ".join([os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
                "wall_s": time.time() - started, "settings": vars(args), "results": results}
     with open(args.out + ".json", "w") as f:
         json.dump(summary, f, indent=1)
-    plot(results, args.out + ".png", title)
+    try:
+        plot(results, args.out + ".png", title)
+    except ImportError:  # no matplotlib here: chart the JSON elsewhere with --from_json
+        print(f"matplotlib missing: no chart; run this script with --from_json {args.out}.json")
     base = results.get("fp32", {}).get("final_eval")
     for m, r in results.items():
         rel = f" ({(r['final_eval'] / base - 1) * 100:+.2f} % vs fp32)" if base else ""
