@@ -158,13 +158,14 @@ if [ -z "$DRY" ]; then
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import sys,torch,transformers,accelerate;print(sys.version.split()[0],torch.__version__,transformers.__version__,accelerate.__version__)"
     nproc; free -g | head -2; } >> "$R/summary.txt" 2>&1
-  # DeepSpeed and its missing dependencies travel as wheels (shared/wheels/README.md)
-  for w in .whl shared/wheels/py312; do
+  # DeepSpeed and its missing dependencies travel as wheels (shared/wheels/README.md); more (TRL) in .whl/
+  for w in shared/wheels/py312 .whl; do
     if [ -d "$w" ]; then
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w"/*.whl >> "$R/pip.log" 2>&1 \
-        && export PYTHONPATH=/tmp/site:$PYTHONPATH && break
+        && added=1
     fi
   done
+  [ -n "${added:-}" ] && export PYTHONPATH=/tmp/site:$PYTHONPATH
 fi
 
 bench_stage() {  # bench_stage STAGE ARGS [MEGATRAIN_CONFIG]: one megatrain bench invocation into $R/STAGE
