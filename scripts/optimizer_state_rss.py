@@ -2,7 +2,8 @@
 
 One fresh subprocess per mode: build the model from a config (fp32, random init), train
 ``--steps`` optimizer steps through Trainer + MegaTrainPlugin(optimizer_state=mode) on the CPU
-(fp32 compute: no staging copy), then report the process's peak RSS (``ru_maxrss``), the RSS of the
+(fp32 compute: no staging copy; ``--loader from_config``: the weights drawn at attach straight into the
+host store, so the model never exists whole in fp32), then report the process's peak RSS (``ru_maxrss``), the RSS of the
 same imports before the model existed, and both per trainable parameter.
 
     python scripts/optimizer_state_rss.py --json docs/results/optimizer-state-rss.json
@@ -41,7 +42,12 @@ def child(args) -> None:
                                       num_key_value_heads=args.hidden // 64, vocab_size=args.vocab,
                                       tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    if args.loader == "from_config":  # drawn at attach straight into the host store: never whole in fp32
+        import megatrain_hf
+
+        model = megatrain_hf.from_config(config, seed=0)
+    else:
+        model = transformers.LlamaForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
 
     class Tokens(torch.utils.data.Dataset):
@@ -76,6 +82,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--loader", choices=["eager", "from_config"], default="eager",
+                        help="eager: transformers builds the model in fp32, attaching moves it into the store; "
+                             "from_config: megatrain_hf.from_config, the weights drawn into the store at attach")
     parser.add_argument("--work", default="/tmp/optimizer-state-rss")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
