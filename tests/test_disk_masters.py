@@ -80,3 +80,113 @@ def test_eight_bit_moments_and_masters_on_disk_equal_the_in_ram_run(tmp_path):
     assert got._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
     assert losses == ref_losses
     _assert_equal(state_of(ref), state_of(got))
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder))
+            if name.endswith(".safetensors")}
+
+
+def _optimizer_files(checkpoint) -> dict[str, tuple]:
+    """Each shard's metadata and tensors' bytes (safetensors orders the metadata keys arbitrarily)."""
+    from safetensors import safe_open
+
+    folder, out = checkpoint / "megatrain_optimizer", {}
+    for name in sorted(os.listdir(folder)):
+        with safe_open(str(folder / name), framework="pt") as f:
+            out[name] = (f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()})
+    return out
+
+
+def test_resume_and_saved_models_with_masters_on_disk_equal_the_in_ram_run(tmp_path):
+    """Checkpoints read the masters through their mapping: the model files and the optimizer shards (moments
+    only, as in RAM) are the in-RAM run's bytes; a fresh model resumed from one with the masters on disk ends
+    where the uninterrupted in-RAM run ends; save_pretrained after training writes the same files."""
+    args = dict(save_strategy="steps", save_steps=3)
+    ram, ref, ref_losses = _run(tmp_path, "ram", **args)
+    trainer, got, losses = _run(tmp_path, "all", "all", **args)
+    assert losses == ref_losses
+    for step in (3, 6):
+        assert _files(tmp_path / "ram" / f"checkpoint-{step}") == _files(tmp_path / "all" / f"checkpoint-{step}")
+        assert _optimizer_files(tmp_path / "ram" / f"checkpoint-{step}") == _optimizer_files(
+            tmp_path / "all" / f"checkpoint-{step}")
+    ram.save_model(str(tmp_path / "ram-final"))
+    trainer.save_model(str(tmp_path / "all-final"))
+    assert _files(tmp_path / "ram-final") == _files(tmp_path / "all-final")
+    resumed = tiny_model("llama", seed=9)
+    trainer, _, resumed_losses = _run(tmp_path, "all", "all", model=resumed, resume=str(tmp_path / "all" / "checkpoint-3"),
+                                   **args)
+    assert trainer.optimizer.optimizer.master_units
+    assert resumed_losses == ref_losses[len(ref_losses) // 2:]
+    _assert_equal(state_of(ref), state_of(resumed))
+
+
+def test_writes_through_the_parameters_reach_the_update(tmp_path):
+    """load_state_dict (and any in-place edit) between steps writes the mapped masters; the next update and
+    the staging copy start from them, as in RAM (no slot keeps an older copy)."""
+    from megatrain_hf import HostAdamW, attach
+
+    def run(offload_dir):
+        model = tiny_model("llama")
+        engine = attach(model, MegaTrainConfig(), bf16=True)
+        opt = HostAdamW(model.parameters(), engine.store, lr=1e-2, offload_dir=offload_dir,
+                        offload_masters=offload_dir is not None)
+        losses = []
+        for seed in range(4):
+            if seed == 2:
+                model.load_state_dict(tiny_model("llama", seed=5).state_dict())
+            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        return model, opt, losses
+
+    (tmp_path / "d").mkdir()
+    ref, ram, ref_losses = run(None)
+    got, disk, losses = run(str(tmp_path / "d"))
+    assert disk.master_units and losses == ref_losses
+    _assert_equal(state_of(ref), state_of(got))
+    ram.close()
+    disk.close()
+
+
+# ---------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("options,why", [(dict(compute_dtype="fp32"), "compute is fp32"),
+                                         (dict(host_staging=False), "host_staging=False")])
+def test_masters_on_disk_without_a_staging_copy_are_refused(tmp_path, options, why):
+    from megatrain_hf import attach
+
+    (tmp_path / "d").mkdir()
+    model = tiny_model("llama")
+    config = MegaTrainConfig(offload_dir=str(tmp_path / "d"), offload_state="all", **options)
+    with pytest.raises(ValueError, match=rf"offload_state='all' .* needs the bf16 staging copy .*{why}(.|\n)*Fix: bf16"):
+        attach(model, config, bf16=True)
+    assert not hasattr(model, "_megatrain_engine") and os.listdir(tmp_path / "d") == []
+
+
+def test_masters_on_disk_refused_by_hand_where_they_cannot_be(tmp_path):
+    """HostAdamW(offload_masters=True) on a store without a staging copy, and the admission under data
+    parallelism (masters broadcast from RAM), refuse with the fix."""
+    from megatrain_hf import HostAdamW, attach
+    from megatrain_hf.memory.disk import admit_tiers
+
+    (tmp_path / "d").mkdir()
+    model = tiny_model("llama")
+    engine = attach(model, MegaTrainConfig())  # fp32 compute: the device streams the masters
+    with pytest.raises(ValueError, match=r"need the bf16 staging copy(.|\n)*Fix: bf16 compute"):
+        HostAdamW(model.parameters(), engine.store, offload_dir=str(tmp_path / "d"), offload_masters=True)
+    assert os.listdir(tmp_path / "d") == []  # refused before creating anything
+    units = list(zip(*_located(tiny_model("llama"))))
+    with pytest.raises(ValueError, match=r"data parallelism broadcasts the masters from RAM(.|\n)*offload_state='moments'"):
+        admit_tiers(units, frozenset({0}), torch.bfloat16, "auto", True, True, str(tmp_path / "d"), "all", True,
+                    masters_allowed=False)
+
+
+def _located(model):
+    from megatrain_hf.hf.families import family_of
+
+    located = family_of(model).locate(model)
+    return located.names, located.modules

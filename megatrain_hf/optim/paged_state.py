@@ -314,19 +314,18 @@ def master_units(store, units, offload_masters) -> list[int]:
     Refused where the staging copy, which the device streams instead of the masters, is missing."""
     if not offload_masters:
         return []
+    if not store.staging:
+        raise ValueError(
+            "megatrain: the fp32 masters on disk (offload_state='all', offload_masters) need the bf16 staging copy, "
+            "which the device streams instead of the masters; this store has none (fp32 compute, or "
+            "host_staging=False, streams the masters themselves). Fix: bf16 compute (bf16=True / compute_dtype="
+            "'bf16') with host_staging=True or 'auto', or offload_state='moments'.")
     chosen = [u for u in sorted(units) if (offload_masters is True or u in offload_masters)
               and store.buffers[u].n_staged]
     if chosen and store.sharding is not None:
         raise ValueError("megatrain: the fp32 masters on disk (offload_state='all') do not combine with data "
                          "parallelism (each unit's owner broadcasts its masters from RAM). Fix: "
                          "offload_state='moments', or data_parallel=False.")
-    missing = [store.names[u] for u in chosen if store.buffers[u].staging_host is None]
-    if missing:
-        raise ValueError(
-            f"megatrain: the fp32 masters on disk (offload_state='all') need the bf16 staging copy, which the device "
-            f"streams instead of the masters; units {missing[:3]} have none (fp32 compute, or host_staging=False, "
-            "streams the masters themselves). Fix: bf16 compute (bf16=True / compute_dtype='bf16') with "
-            "host_staging=True or 'auto', or offload_state='moments'.")
     return chosen
 
 
