@@ -190,3 +190,63 @@ def _located(model):
 
     located = family_of(model).locate(model)
     return located.names, located.modules
+
+
+# ---------------------------------------------------------------------------------- the plan
+def test_estimate_counts_the_masters_on_disk(tmp_path, capsys):
+    """`megatrain estimate --offload-state all`: the matrices' fp32 masters (4 B per matrix element) move
+    from RAM to disk; RAM keeps the embedding and the norms' masters, the gradients, the staging copy."""
+    import json
+
+    from megatrain_hf.cli.estimate import estimate_main
+    from megatrain_hf.memory.plan import plan_memory
+    from megatrain_hf.memory.shapes import PRESETS
+
+    common = ["--model", "llama-7b", "--offload-dir", str(tmp_path), "--disk-gib", "200", "--host-gib", "80", "--json"]
+    assert estimate_main(common) == 0
+    moments_only = json.loads(capsys.readouterr().out)["disk_tier"]
+    assert estimate_main(common + ["--offload-state", "all"]) == 0
+    d = json.loads(capsys.readouterr().out)["disk_tier"]
+    s = PRESETS["llama-7b"]
+    matrices = s.layers * (2 * s.hidden * s.hidden + 2 * s.hidden * s.kv_heads * (s.hidden // s.heads)
+                           + 3 * s.hidden * s.intermediate) + s.vocab * s.hidden  # + lm_head (untied)
+    assert d["offload_state"] == "all" and d["masters_on_disk_bytes"] == 4 * matrices
+    # page-aligned per unit, next to the moments
+    assert 0 <= d["disk_bytes"] - moments_only["disk_bytes"] - 4 * matrices < 4096 * (s.layers + 3)
+    plan = plan_memory(s, seq_len=4096, micro_batch=1, grad_accum=1)
+    moments = plan.host_exp_avg + plan.host_exp_avg_sq
+    assert d["host_ram_bytes"] == plan.host_total - moments - 4 * matrices + d["ram_window_bytes"]
+    assert d["read_per_step_bytes"] == d["written_per_step_bytes"] == d["disk_bytes"]
+    assert d["max_layers"] >= moments_only["max_layers"]
+    assert estimate_main(common + ["--offload-state", "all", "--dtype", "fp32"]) == 2
+    assert "needs the bf16 staging copy" in capsys.readouterr().err
+
+
+def test_auto_puts_the_fewest_masters_on_disk_when_moments_on_disk_are_not_enough(tmp_path, monkeypatch):
+    """offload_state='auto': every unit's moments on disk and RAM still one byte short: the last units'
+    masters go too (not all of them), and the run equals the in-RAM run bitwise. (With host_staging="auto"
+    dropping the staging copy comes first: 2 B/param, and the masters on disk would need it.)"""
+    from megatrain_hf import attach
+    from megatrain_hf.memory import disk, host
+
+    (tmp_path / "disk").mkdir()
+    config = MegaTrainConfig(offload_dir=str(tmp_path / "disk"), host_staging=True)
+    layers = dict(num_hidden_layers=8)
+    model = tiny_model("llama", **layers)
+    units = list(zip(*_located(model)))
+    sizes = host.unit_sizes(units, compute_dtype=torch.bfloat16, embedding_units=frozenset({0}))
+    every = disk.tier_bytes(sizes)  # every unit's moments on disk, masters in RAM
+    needed = sum(host.host_breakdown_for_units(units, compute_dtype=torch.bfloat16, staging=True,
+                                               optimizer_state=False).values()) + every.ram_bytes
+    current = sum(p.numel() * 4 for p in model.parameters())
+    monkeypatch.setattr(host, "available_host_bytes", lambda: host.DEFAULT_HEADROOM_BYTES + needed - 1 - current)
+    trainer, losses = train(model, training_args(tmp_path / "auto", bf16=True), callbacks=[MegaTrainPlugin(config)])
+    optimizer = trainer.optimizer.optimizer
+    staged = [u for u, s in enumerate(sizes) if s.n_staged]
+    assert len(optimizer._pager.units) == len([s for s in sizes if s.n_train])  # every unit's moments
+    assert 0 < len(optimizer.master_units) < len(staged) and optimizer.master_units[-1] == staged[-1]
+    assert model._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
+    monkeypatch.undo()
+    _, ref, ref_losses = _run(tmp_path, "ram", model=tiny_model("llama", **layers), options=dict(host_staging=True))
+    assert losses == ref_losses
+    _assert_equal(state_of(ref), state_of(model))
