@@ -131,6 +131,8 @@ def test_writes_through_the_parameters_reach_the_update(tmp_path):
         engine = attach(model, MegaTrainConfig(), bf16=True)
         opt = HostAdamW(model.parameters(), engine.store, lr=1e-2, offload_dir=offload_dir,
                         offload_masters=offload_dir is not None)
+        # staged from RAM before the masters left it: the first forward does not read the mapping
+        assert all(engine.store.staging_fresh(u) for u in opt.master_units)
         losses = []
         for seed in range(4):
             if seed == 2:

@@ -335,6 +335,7 @@ def move_masters(pager: PagedState, store, units: list[int]) -> None:
     from ..core.master_home import page_masters
 
     for u in units:
+        store.stage(u)  # from the RAM flat now: a stale copy would be refreshed from the mapping (a read of it)
         with pager.resident(u, write=True) as flats:
             flats[MASTER].copy_(store.staged_master(u))
         pager.flush()  # written before the mapping is read
