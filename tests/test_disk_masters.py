@@ -71,8 +71,9 @@ def test_masters_on_disk_equal_the_in_ram_run(tmp_path, kernel, accumulation):
     _assert_equal(state_of(ref), state_of(got))  # still readable after the files are removed
 
 
-def test_eight_bit_moments_and_masters_on_disk_equal_the_in_ram_run(tmp_path):
-    options = dict(optimizer_state="8bit")
+@pytest.mark.parametrize("kernel", ["torch", pytest.param("native", marks=NO_NATIVE)])
+def test_eight_bit_moments_and_masters_on_disk_equal_the_in_ram_run(tmp_path, kernel):
+    options = dict(optimizer_state="8bit", host_adamw_kernel=kernel)
     _, ref, ref_losses = _run(tmp_path, "ram", options=options)
     trainer, got, losses = _run(tmp_path, "all", "all", options=options)
     optimizer, _, units = _paged(trainer)
@@ -220,6 +221,9 @@ def test_estimate_counts_the_masters_on_disk(tmp_path, capsys):
     assert d["host_ram_bytes"] == plan.host_total - moments - 4 * matrices + d["ram_window_bytes"]
     assert d["read_per_step_bytes"] == d["written_per_step_bytes"] == d["disk_bytes"]
     assert d["max_layers"] >= moments_only["max_layers"]
+    assert estimate_main(common[:-1] + ["--offload-state", "all"]) == 0
+    table = capsys.readouterr().out
+    assert "AdamW moments, matrix masters on disk" in table and "disk: fp32 masters of the matrices" in table
     assert estimate_main(common + ["--offload-state", "all", "--dtype", "fp32"]) == 2
     assert "needs the bf16 staging copy" in capsys.readouterr().err
 

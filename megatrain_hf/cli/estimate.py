@@ -215,7 +215,7 @@ def _disk_table(d: dict) -> str:
     w = 52
     fits = "fits" if d["fits"] else "does NOT fit"
     return "\n".join([
-        f"{'DISK TIER (offload_dir: AdamW moments on disk)':<{w}}{'GiB':>9}",
+        f"{'DISK TIER (offload_dir: AdamW moments' + (', matrix masters' if d['masters_on_disk_bytes'] else '') + ' on disk)':<{w}}{'GiB':>9}",
         f"  {'RAM: the plan without ' + ('the moments, matrix masters' if d['masters_on_disk_bytes'] else 'the moments'):<{w - 2}}"
         f"{_gib(d['host_ram_bytes'] - d['ram_window_bytes']):>9}",
         f"  {'RAM: window of ' + str(d['window_slots']) + ' unit slots':<{w - 2}}{_gib(d['ram_window_bytes']):>9}",
