@@ -168,7 +168,7 @@ def _save_unit(optimizer, folder: str, u: int, units: list[int], hyper: str, ten
         "unit": str(u),
         "unit_name": optimizer.store.names[u],
         "units": json.dumps(units),
-        "numel": str(optimizer.store.buffers[u].master_host.numel()),
+        "numel": str(optimizer.store.n_train(u)),
         "steps": json.dumps(
             {str(gi): [float(step) for step in optimizer._steps[(u, gi)]] for gi in optimizer._plan[u]}
         ),
@@ -233,7 +233,7 @@ def load_optimizer(optimizer, folder: str) -> None:
                 f"{mode!r}. Fix: resume with optimizer_state={saved_mode!r} (or convert the checkpoint with "
                 "megatrain_hf.checkpoint.to_torch_state_dict and load that into a fresh optimizer)."
             )
-        numel = optimizer.store.buffers[u].master_host.numel()
+        numel = optimizer.store.n_train(u)
         if int(meta["numel"]) != numel or json.loads(meta["layout"]) != _layout(optimizer, u):
             raise ValueError(
                 f"{unit_file(folder, u)} (unit {meta.get('unit_name')}) has another parameter layout than "

@@ -76,13 +76,14 @@ class Engine:
                              "device_update=True (the device's share would keep the moments it pages on the GPU). "
                              "Fix: leave device_update off, or offload_dir unset.")
         moments = config.optimizer_state if config.replace_adamw else False
+        self.sharding = sharding_from_env(len(named), config.data_parallel, config.collective_timeout_s)
         staging, self.state_tier = admit_tiers(named, located.embedding_units, dtype, config.host_staging,
                                                moments, frozen_in_wire_dtype, config.offload_dir,
-                                               config.offload_state, config.check_host_memory, quantize)
+                                               config.offload_state, config.check_host_memory, quantize,
+                                               masters_allowed=self.sharding is None)
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
-        self.sharding = sharding_from_env(len(named), config.data_parallel, config.collective_timeout_s)
         if self.sharding is not None and config.device_update:
             raise ValueError("megatrain: device_update=True is not supported under data parallelism (the GPU "
                              "share of the update does not know the unit owners). Fix: device_update=False, or "

@@ -1,10 +1,14 @@
 """Host peak RSS per trainable parameter and the update's disk rate, with and without the disk tier.
 
-Builds a Llama-shaped model from a config (random weights, fp32, CPU compute), attaches megatrain,
-runs ``--steps`` optimizer steps (forward + backward + HostAdamW update), and prints JSON:
+Builds a Llama-shaped model from a config (random weights, fp32, CPU compute; ``--bf16``: bf16
+compute through the staging copy, as on a GPU), attaches megatrain, runs ``--steps`` optimizer steps
+(forward + backward + HostAdamW update), and prints JSON:
 
 * ``peak_rss_B_per_param``: the process's peak RSS (VmHWM, reset through /proc/self/clear_refs once the
   model is attached, so the peak of HF building the model in fp32 is not counted) per trainable parameter;
+  ``steps_peak_rss_B_per_param``: the same, reset once the optimizer is built (with
+  ``--offload-state all`` that is when the masters have left RAM: the training steps' own peak);
+  ``ram_bytes``: what the store and the optimizer hold in RAM, tier by tier;
 * ``update_s``: wall time of ``step()`` + ``synchronize()`` (the update, its reads ahead and its writes
   behind overlapping it), the last step's; ``disk_GBps``: bytes read + written by the tier in that step
   over that time; ``raw_fraction``: the time the disk alone needs for those bytes at ``--raw-read`` /
@@ -12,6 +16,7 @@ runs ``--steps`` optimizer steps (forward + backward + HostAdamW update), and pr
 
     python scripts/disk_tier_bench.py --offload-dir /nvme/tmp --raw-read 1.2 --raw-write 1.7
     python scripts/disk_tier_bench.py --offload-dir /nvme/tmp --optimizer-state 8bit --kernel native
+    python scripts/disk_tier_bench.py --offload-dir /nvme/tmp --offload-state all --bf16
 """
 
 from __future__ import annotations
@@ -41,7 +46,12 @@ def rss_peak() -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--offload-dir", default=None, help="moments on disk there (offload_state='moments')")
+    parser.add_argument("--offload-dir", default=None, help="the state on disk there (--offload-state)")
+    parser.add_argument("--offload-state", default="moments", choices=["moments", "all"],
+                        help="with --offload-dir: the moments on disk, or the moments and the matrices' fp32 masters "
+                             "(needs --bf16)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 compute (the matrices stream their bf16 copy)")
+    parser.add_argument("--window", type=int, default=None, help="RAM slots of the disk tier (default 4)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
     parser.add_argument("--layers", type=int, default=28)
@@ -61,11 +71,15 @@ def main() -> None:
                                       max_position_embeddings=args.seq)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    engine = attach(model, MegaTrainConfig(offload_dir=args.offload_dir, offload_state="moments"), device="cpu")
+    engine = attach(model, MegaTrainConfig(offload_dir=args.offload_dir, offload_state=args.offload_state),
+                    device="cpu", bf16=args.bf16)
     trainable = engine.store.trainable_numel()
     rss_peak_reset()
     opt = HostAdamW(model.parameters(), engine.store, lr=1e-4, offload_dir=args.offload_dir,
-                    state=args.optimizer_state, kernel=args.kernel)
+                    state=args.optimizer_state, kernel=args.kernel, offload_window=args.window,
+                    offload_masters=args.offload_dir is not None and args.offload_state == "all")
+    built_peak = rss_peak()
+    rss_peak_reset()
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1))
     steps = []
     for _ in range(args.steps):
@@ -85,11 +99,24 @@ def main() -> None:
         if pager and args.raw_read and args.raw_write:
             row["raw_fraction"] = (read / (args.raw_read * 1e9) + written / (args.raw_write * 1e9)) / update_s
         steps.append(row)
-    peak = rss_peak()
+    steps_peak = rss_peak()
+    peak = max(built_peak, steps_peak)
+    bufs = engine.store.buffers
+    ram = {"masters": sum(4 * (b.master_host.numel() if b.master_host is not None else 0) for b in bufs),
+           "masters_tail": sum(4 * b.master_tail.numel() for b in bufs if b.master_tail is not None),
+           "grads": sum(4 * b.grad_host.numel() for b in bufs if b.grad_host is not None),
+           "staging": sum(b.staging_host.numel() * b.staging_host.element_size() for b in bufs
+                          if b.staging_host is not None),
+           "moments": sum(t.numel() * 4 for t in (*opt._exp_avg.values(), *opt._exp_avg_sq.values()))
+           + (opt.moments.nbytes() if opt.moments is not None else 0),
+           "window": opt._pager.ram_bytes() if opt._pager else 0}
     print(json.dumps({
-        "offload_dir": args.offload_dir, "optimizer_state": args.optimizer_state, "kernel": opt.kernel,
-        "trainable_params": trainable, "peak_rss_bytes": peak,
-        "peak_rss_B_per_param": peak / trainable, "update_elements_per_s": trainable / steps[-1]["update_s"],
+        "offload_dir": args.offload_dir, "offload_state": args.offload_state if args.offload_dir else None,
+        "compute": "bf16" if args.bf16 else "fp32", "optimizer_state": args.optimizer_state, "kernel": opt.kernel,
+        "trainable_params": trainable, "peak_rss_bytes": peak, "peak_rss_B_per_param": peak / trainable,
+        "steps_peak_rss_B_per_param": steps_peak / trainable,
+        "ram_bytes": ram, "ram_B_per_param": {k: v / trainable for k, v in ram.items()},
+        "update_elements_per_s": trainable / steps[-1]["update_s"],
         "o_direct": all(opt._pager.io.direct.values()) if opt._pager else None, "steps": steps,
     }, indent=2))
     opt.close()

@@ -177,7 +177,7 @@ def test_offload_dir_missing_or_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match=r"offload_dir='.*f' is a file, not a directory"):
         MegaTrainConfig(offload_dir=str(tmp_path / "f"))
-    with pytest.raises(ValueError, match=r"MegaTrainConfig.offload_state='masters'; allowed: 'auto' or 'moments'"):
+    with pytest.raises(ValueError, match=r"MegaTrainConfig.offload_state='masters'; allowed: 'auto', 'moments' or 'all'"):
         MegaTrainConfig(offload_state="masters")
 
 

@@ -63,6 +63,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload-dir", default=None, metavar="DIR",
                         help="plan the disk tier (offload_dir=DIR): the AdamW moments on DIR's filesystem, RAM and "
                              "disk per tier, disk bytes per optimizer step, the largest model RAM + disk hold")
+    parser.add_argument("--offload-state", choices=["auto", "moments", "all"], default="auto",
+                        help="with --offload-dir: 'all' plans the fp32 masters of the matrices on disk too "
+                             "(MegaTrainConfig.offload_state; needs bf16 compute and the host staging copy)")
     parser.add_argument("--disk-gib", type=float, default=None,
                         help="with --offload-dir: plan against this much free disk instead of DIR's free space")
     parser.add_argument("--world-size", type=int, default=1,
@@ -178,7 +181,13 @@ def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int) ->
         free, where = int(args.disk_gib * GiB), "given by --disk-gib"
     else:
         free, where = disk.disk_free_bytes(disk.check_offload_dir(args.offload_dir)), f"free in {args.offload_dir}"
-    tier = disk.shape_tier(shape, plan.compute_dtype, args.lora_rank, optimizer_state=plan.optimizer_state)
+    masters = args.offload_state == "all"
+    if masters and (plan.compute_dtype == "fp32" or args.host_staging is False):
+        raise ValueError("--offload-state all puts the fp32 masters on disk, which needs the bf16 staging copy "
+                         "that the device streams instead of them. Fix: --dtype bf16 without "
+                         "--no-host-staging, or --offload-state moments.")
+    tier = disk.shape_tier(shape, plan.compute_dtype, args.lora_rank, optimizer_state=plan.optimizer_state,
+                           masters=masters)
     ram = disk.ram_with_tier(plan, tier)
 
     def plan_of(s: ModelShape) -> MemoryPlan:
@@ -188,9 +197,10 @@ def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int) ->
                            offload_checkpoints=args.offload_checkpoints, loss_chunk_tokens=args.loss_chunk_tokens,
                            lora_rank=args.lora_rank, optimizer_state=plan.optimizer_state)
 
-    layers, params = disk.deepest_with_tier(shape, ram_available, free, plan_of)
+    layers, params = disk.deepest_with_tier(shape, ram_available, free, plan_of, masters=masters)
     return {
-        "optimizer_state": plan.optimizer_state,
+        "optimizer_state": plan.optimizer_state, "offload_state": args.offload_state,
+        "masters_on_disk_bytes": tier.master_bytes,
         "disk_bytes": tier.disk_bytes, "ram_window_bytes": tier.ram_bytes, "window_slots": disk.DEFAULT_WINDOW,
         "host_ram_bytes": ram, "host_ram_required_bytes": ram + DEFAULT_HEADROOM_BYTES,
         "host_ram_available_bytes": ram_available, "disk_free_bytes": free, "disk_source": where,
@@ -205,13 +215,16 @@ def _disk_table(d: dict) -> str:
     w = 52
     fits = "fits" if d["fits"] else "does NOT fit"
     return "\n".join([
-        f"{'DISK TIER (offload_dir: AdamW moments on disk)':<{w}}{'GiB':>9}",
-        f"  {'RAM: the plan without the moments':<{w - 2}}{_gib(d['host_ram_bytes'] - d['ram_window_bytes']):>9}",
+        f"{'DISK TIER (offload_dir: AdamW moments' + (', matrix masters' if d['masters_on_disk_bytes'] else '') + ' on disk)':<{w}}{'GiB':>9}",
+        f"  {'RAM: the plan without ' + ('the moments, matrix masters' if d['masters_on_disk_bytes'] else 'the moments'):<{w - 2}}"
+        f"{_gib(d['host_ram_bytes'] - d['ram_window_bytes']):>9}",
         f"  {'RAM: window of ' + str(d['window_slots']) + ' unit slots':<{w - 2}}{_gib(d['ram_window_bytes']):>9}",
         f"  {'RAM total (+ headroom ' + _gib(DEFAULT_HEADROOM_BYTES) + ')':<{w - 2}}"
         f"{_gib(d['host_ram_required_bytes']):>9}   available {_gib(d['host_ram_available_bytes'])}",
         f"  {'disk: AdamW moments (exp_avg + exp_avg_sq, ' + d['optimizer_state'] + ')':<{w - 2}}"
-        f"{_gib(d['disk_bytes']):>9}",
+        f"{_gib(d['disk_bytes'] - d['masters_on_disk_bytes']):>9}" + (
+            f"\n  {'disk: fp32 masters of the matrices':<{w - 2}}{_gib(d['masters_on_disk_bytes']):>9}"
+            if d['masters_on_disk_bytes'] else ""),
         f"  {'disk total (+ 1.00 headroom)':<{w - 2}}{_gib(d['disk_required_bytes']):>9}   "
         f"{d['disk_source']}: {_gib(d['disk_free_bytes'])}",
         f"  -> {fits}",

@@ -29,6 +29,7 @@ Placement suffixes: ``_host`` lives in host RAM, ``_dev`` on the compute device.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import weakref
 from dataclasses import dataclass, field
@@ -55,9 +56,7 @@ def _unregister(flats: list[torch.Tensor]) -> None:
 
 def alias(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
     """A tensor viewing ``flat[offset : offset + numel]`` through a storage of its own."""
-    numel = 1
-    for s in shape:
-        numel *= s
+    numel = math.prod(shape)
     if flat.dtype == torch.bfloat16:
         raw = flat.view(torch.int16).numpy()[offset : offset + numel]
         return torch.from_numpy(raw).view(torch.bfloat16).view(shape)
@@ -75,6 +74,8 @@ class UnitBuffers:
     frozen_host: dict = field(default_factory=dict)  # storage dtype -> flat
     staging_dirty: bool = True
     staged_versions: tuple[int, ...] = ()
+    master_paged: torch.Tensor | None = None  # masters on disk: master[:n_staged], a mapping (master_home.py)
+    master_tail: torch.Tensor | None = None  # ... and master[n_staged:] in RAM (master_host is None then)
 
 
 def unfrozen_error(unit_name: str, entry_name: str) -> ValueError:
@@ -227,14 +228,16 @@ class HostStore:
     # ------------------------------------------------------------------ queries
     def trainable_numel(self) -> int:
         """Elements of the fp32 masters this process holds (its own units under data parallelism)."""
-        return sum(b.master_host.numel() for u, b in enumerate(self.buffers)
-                   if b.master_host is not None and u not in self.remote)
+        return sum(self.n_train(u) for u in range(len(self.buffers)) if u not in self.remote)
+
+    def n_train(self, u: int) -> int:  # elements of unit u's master flat (= its gradient), alignment included
+        return self._sizes[u].n_train
 
     def host_bytes(self) -> int:
         total = self._slots.nbytes() if self._slots is not None else 0
         for u, b in enumerate(self.buffers):
             tensors = (*b.frozen_host.values(),) if u in self.remote else (
-                b.master_host, b.grad_host, b.staging_host, *b.frozen_host.values())
+                b.master_host, b.master_tail, b.grad_host, b.staging_host, *b.frozen_host.values())
             for t in tensors:
                 if t is not None:
                     total += t.numel() * t.element_size()
@@ -302,8 +305,13 @@ class HostStore:
     def _versions(self, u: int) -> tuple[int, ...]:
         return tuple(e.tensor._version for e in self.owned_trainable(u))
 
-    def stage(self, u: int) -> None:
-        """Refresh the compute-dtype copy of unit ``u``'s masters if they changed.
+    def staged_master(self, u: int) -> torch.Tensor:  # master[:n_staged]: in the RAM flat, or mapped (on disk)
+        bufs = self.buffers[u]
+        return bufs.master_paged if bufs.master_paged is not None else bufs.master_host[: bufs.n_staged]
+
+    def stage(self, u: int, master: torch.Tensor | None = None) -> None:
+        """Refresh the compute-dtype copy of unit ``u``'s masters (``master``: from there, the update's
+        copy of :meth:`staged_master`) if they changed.
 
         Changes are known from ``mark_dirty`` (optimizer steps) or from the parameters' version
         counters (``load_state_dict``, in-place edits). Version counters alone are not enough:
@@ -314,7 +322,7 @@ class HostStore:
             return
         versions = self._versions(u)
         if bufs.staging_dirty or versions != bufs.staged_versions:
-            bufs.staging_host.copy_(bufs.master_host[: bufs.n_staged])
+            bufs.staging_host.copy_(master if master is not None else self.staged_master(u))
             bufs.staging_dirty = False
             bufs.staged_versions = versions
 
@@ -345,7 +353,7 @@ class HostStore:
                 self.stage(u)
                 return bufs.staging_host, 0
             return bufs.master_host[: bufs.n_staged], 0
-        return bufs.master_host[bufs.n_staged :], bufs.n_staged
+        return bufs.master_tail if bufs.master_paged is not None else bufs.master_host[bufs.n_staged :], bufs.n_staged
 
     # ------------------------------------------------------------------ gradients
     def grad_region(self, e: Entry) -> torch.Tensor:

@@ -32,7 +32,7 @@ DISK_HEADROOM_BYTES = 1 * GiB
 
 @dataclass(frozen=True)
 class DiskTier:
-    """The moments' placement and its bytes."""
+    """The optimizer state's placement and its bytes."""
 
     on_disk: bool
     units: tuple[int, ...] = ()  # the units whose moments are on disk (the others' are in RAM)
@@ -40,19 +40,25 @@ class DiskTier:
     ram_bytes: int = 0  # the RAM window (slots) that pages them
     read_per_step: int = 0  # bytes read from disk per optimizer step (every unit once)
     written_per_step: int = 0  # bytes written per optimizer step (every unit once)
+    masters: tuple[int, ...] = ()  # the units whose staged fp32 masters are on disk too (offload_state="all")
+    master_bytes: int = 0  # the RAM those masters no longer take (4 B per staged element)
 
 
 def tier_bytes(sizes: list[UnitSizes], window: int = DEFAULT_WINDOW, units: list[int] | None = None,
-               optimizer_state: str = "fp32") -> DiskTier:
+               optimizer_state: str = "fp32", masters: list[int] = ()) -> DiskTier:
     """The moments of ``units`` (default: every unit with trainable parameters) of units laid out as
-    ``sizes`` on disk, in ``optimizer_state``'s format: per unit one file, each of the moments' tensors
-    (fp32 flats, or codes and scales: ``core/layout.moment_parts``) ALIGN-aligned; ``window`` slots of
-    the largest in RAM."""
+    ``sizes`` on disk, in ``optimizer_state``'s format, and the fp32 masters ``[:n_staged]`` of those of
+    ``masters`` that have any: per unit one file, the master first, then each of the moments' tensors
+    (fp32 flats, or codes and scales: ``core/layout.moment_parts``), each ALIGN-aligned; ``window``
+    slots of the largest in RAM."""
     units = [u for u, s in enumerate(sizes) if s.n_train] if units is None else units
-    per_unit = [2 * sum(align_up(n) for n in moment_parts(sizes[u], optimizer_state)) for u in units]
+    masters = tuple(u for u in units if u in set(masters) and sizes[u].n_staged)
+    per_unit = [2 * sum(align_up(n) for n in moment_parts(sizes[u], optimizer_state))
+                + (align_up(4 * sizes[u].n_staged) if u in masters else 0) for u in units]
     total = sum(per_unit)
     slot = max(per_unit + [ALIGN])
-    return DiskTier(True, tuple(units), total, min(window, len(units)) * slot, total, total)
+    return DiskTier(True, tuple(units), total, min(window, len(units)) * slot, total, total, masters,
+                    sum(4 * sizes[u].n_staged for u in masters))
 
 
 def disk_free_bytes(path: str) -> int:
@@ -68,7 +74,7 @@ def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
     raise MemoryError(
         f"megatrain's disk tier needs {gib(needed)} GiB in offload_dir={offload_dir!r} (+ {gib(DISK_HEADROOM_BYTES)} "
         f"GiB headroom) but its filesystem has {gib(free)} GiB free:\n"
-        f"  AdamW moments (exp_avg + exp_avg_sq)         {gib(needed):>9} GiB\n"
+        f"  optimizer state (AdamW moments, fp32 masters) {gib(needed):>8} GiB\n"
         f"  + headroom                                   {gib(DISK_HEADROOM_BYTES):>9} GiB\n"
         f"  free on {path}   {gib(free):>9} GiB\n"
         f"  short by                                     {gib(needed + DISK_HEADROOM_BYTES - free):>9} GiB\n"
@@ -79,21 +85,33 @@ def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
 
 def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
                 host_staging: bool | str, optimizer_state: bool | str, frozen_in_wire_dtype: bool,
-                offload_dir: str | None, offload_state: str, check_ram: bool, quantize=None) -> tuple[bool, DiskTier]:
-    """The engine's admission with the disk tier: (keep the staging copy, the moments' placement).
+                offload_dir: str | None, offload_state: str, check_ram: bool, quantize=None,
+                masters_allowed: bool = True) -> tuple[bool, DiskTier]:
+    """The engine's admission with the disk tier: (keep the staging copy, the state's placement).
 
     ``offload_state="auto"``: the moments stay in RAM when the plan fits there, else the fewest units'
-    moments go to disk (the last units in update order first) that make it fit; ``"moments"``: every
-    unit's on disk whatever RAM there is. Without ``offload_dir``: RAM (``host.admit``).
-    ``optimizer_state``: the moments' format (False: no HostAdamW state; True: fp32), paged in that format.
-    ``quantize``: the quantized base's schemes (``host.host_breakdown_for_units``).
+    moments go to disk (the last units in update order first) that make it fit, then, if even every
+    unit's moments on disk leave RAM short, the staged fp32 masters of the fewest units too (where
+    they can go: bf16 compute with the staging copy, ``masters_allowed``, i.e. no data parallelism);
+    ``"moments"``: every unit's moments on disk whatever RAM there is; ``"all"``: every unit's moments
+    and staged masters (refused where the device streams the masters themselves). Without
+    ``offload_dir``: RAM (``host.admit``). ``optimizer_state``: the moments' format (False: no HostAdamW
+    state; True: fp32), paged in that format. ``quantize``: the quantized base's schemes
+    (``host.host_breakdown_for_units``).
     """
     staging_default = host_staging is not False
+    masters_possible = compute_dtype != torch.float32 and host_staging is not False and masters_allowed
+    if offload_dir is not None and offload_state == "all" and not masters_possible:
+        raise ValueError(
+            f"offload_state='all' puts the fp32 masters on disk, which needs the bf16 staging copy that the device "
+            f"streams instead of them; here {'compute is fp32' if compute_dtype == torch.float32 else 'host_staging=False' if host_staging is False else 'data parallelism broadcasts the masters from RAM'}"
+            ", so the device reads the masters themselves. Fix: bf16 compute (bf16=True or compute_dtype='bf16') "
+            "with host_staging=True or 'auto' and one process, or offload_state='moments'.")
 
-    def ram(moments: bool | str, extra: dict | None = None) -> bool:
+    def ram(moments: bool | str, extra: dict | None = None, staging=host_staging) -> bool:
         if not check_ram:
-            return staging_default
-        return host_memory.admit(units, embedding_units, compute_dtype, host_staging, moments,
+            return staging is not False and staging_default
+        return host_memory.admit(units, embedding_units, compute_dtype, staging, moments,
                                  frozen_in_wire_dtype, quantize, extra=extra)
 
     if offload_dir is None or optimizer_state is False:
@@ -108,63 +126,82 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
     sizes = host_memory.unit_sizes(units, compute_dtype=compute_dtype, embedding_units=embedding_units,
                                    frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize)
     with_state = [u for u, s in enumerate(sizes) if s.n_train]
+    with_masters = [u for u in with_state if sizes[u].n_staged]
+    masters_total = 4 * sum(s.n_train for s in sizes)
 
-    def split(k: int) -> tuple[DiskTier, dict]:  # the last k units' moments on disk
-        tier = tier_bytes(sizes, units=with_state[len(with_state) - k:], optimizer_state=state)
+    def split(k: int, m: int = 0) -> tuple[DiskTier, dict]:  # the last k units' moments, the last m's masters
+        tier = tier_bytes(sizes, units=with_state[len(with_state) - k:], optimizer_state=state,
+                          masters=with_masters[len(with_masters) - m:] if m else ())
         kept = sum(2 * moment_bytes(sizes[u], state) for u in with_state[: len(with_state) - k])
-        return tier, {"disk_slots": tier.ram_bytes, "moments_in_ram": kept}
+        extra = {"disk_slots": tier.ram_bytes, "moments_in_ram": kept}
+        return tier, extra | ({"master": masters_total - tier.master_bytes} if m else {})
 
-    k = len(with_state)
-    if offload_state == "auto" and check_ram:
-        lo, hi = 0, k  # fits with hi on disk (else the full split raises below with its arithmetic)
+    def fits(k: int, m: int) -> bool:
+        try:
+            ram(False, split(k, m)[1], staging=True if m else host_staging)
+            return True
+        except MemoryError:
+            return False
+
+    def fewest(n: int, ok) -> int:  # the smallest i in [1, n] with ok(i), given ok(n) or n the fallback
+        lo, hi = 0, n
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            try:
-                ram(False, split(mid)[1])
-                hi = mid
-            except MemoryError:
-                lo = mid
-        k = hi
-    tier, extra = split(k)
+            lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+        return hi
+
+    k, m = len(with_state), len(with_masters) if offload_state == "all" else 0
+    if offload_state == "auto" and check_ram:
+        if fits(k, 0) or not (masters_possible and with_masters):
+            k = fewest(k, lambda i: fits(i, 0))  # (the full split raises below with its arithmetic if short)
+        else:
+            m = fewest(len(with_masters), lambda j: fits(k, j))
+    tier, extra = split(k, m)
     check_disk(offload_dir, tier.disk_bytes)
-    staging = ram(False, extra)
-    logger.info("megatrain: AdamW moments (%s) of %d of %d units on disk (offload_dir=%s, offload_state=%r): %.2f "
-                "GiB on disk, %.2f GiB of RAM slots, %.2f GiB read and written per optimizer step", state, k,
-                len(with_state), offload_dir, offload_state, tier.disk_bytes / GiB, tier.ram_bytes / GiB,
-                tier.written_per_step / GiB)
+    staging = ram(False, extra, staging=True if m else host_staging)
+    logger.info("megatrain: AdamW moments (%s) of %d of %d units and the fp32 masters of %d on disk (offload_dir=%s, "
+                "offload_state=%r): %.2f GiB on disk, %.2f GiB of RAM slots, %.2f GiB read and written per optimizer "
+                "step", state, k, len(with_state), m, offload_dir, offload_state, tier.disk_bytes / GiB,
+                tier.ram_bytes / GiB, tier.written_per_step / GiB)
     return staging, tier
 
 
 # ---------------------------------------------------------------------------------- planning from a shape
 def shape_tier(shape, compute_dtype: str = "bf16", lora_rank: int | None = None,
-               window: int = DEFAULT_WINDOW, optimizer_state: str = "fp32") -> DiskTier:
-    """:func:`tier_bytes` of a model shape (``memory/shapes.py``), as the store would lay it out."""
+               window: int = DEFAULT_WINDOW, optimizer_state: str = "fp32", masters: bool = False) -> DiskTier:
+    """:func:`tier_bytes` of a model shape (``memory/shapes.py``), as the store would lay it out;
+    ``masters``: every unit's staged masters on disk too (``offload_state="all"``)."""
     from .plan import _DTYPE_BY_NAME, LORA_TARGETS, _layout
     from ..core.layout import lay_out
 
     dtype = _DTYPE_BY_NAME[compute_dtype]
-    return tier_bytes([lay_out(u.specs(dtype)) for u in _layout(shape, lora_rank, LORA_TARGETS)], window,
-                      optimizer_state=optimizer_state)
+    sizes = [lay_out(u.specs(dtype)) for u in _layout(shape, lora_rank, LORA_TARGETS)]
+    return tier_bytes(sizes, window, optimizer_state=optimizer_state,
+                      masters=range(len(sizes)) if masters else ())
 
 
 def ram_with_tier(plan, tier: DiskTier) -> int:
-    """Host RAM of ``plan`` (``MemoryPlan``) with its moments on disk: their window instead of them."""
-    return plan.host_total - plan.host_exp_avg - plan.host_exp_avg_sq + tier.ram_bytes
+    """Host RAM of ``plan`` (``MemoryPlan``) with its moments (and ``tier.masters``' masters) on disk: their
+    window instead of them."""
+    return plan.host_total - plan.host_exp_avg - plan.host_exp_avg_sq - tier.master_bytes + tier.ram_bytes
 
 
-def deepest_with_tier(shape, ram_available: int, disk_free: int, plan_of) -> tuple[int, int]:
+def deepest_with_tier(shape, ram_available: int, disk_free: int, plan_of, masters: bool = False) -> tuple[int, int]:
     """The most layers of ``shape`` that RAM + disk hold: the moments that RAM cannot keep go to disk
-    (``offload_state="auto"``, a unit at a time); (layers, params).
+    (``offload_state="auto"``, a unit at a time), or with ``masters`` every unit's moments and staged
+    masters (``offload_state="all"``); (layers, params).
 
     ``plan_of(shape)``: the ``MemoryPlan`` with the caller's options. Both sides grow with depth, so
     a bisection finds it (0 when not even one layer fits)."""
     def fits(layers: int) -> bool:
         plan = plan_of(shape.with_layers(layers))
-        tier = shape_tier(plan.shape, plan.compute_dtype, plan.lora_rank, optimizer_state=plan.optimizer_state)
+        tier = shape_tier(plan.shape, plan.compute_dtype, plan.lora_rank, optimizer_state=plan.optimizer_state,
+                          masters=masters)
         base = ram_with_tier(plan, tier) + host_memory.DEFAULT_HEADROOM_BYTES  # every moment on disk
         slot = tier.ram_bytes // DEFAULT_WINDOW
         to_disk = max(0, base + tier.disk_bytes - ram_available)  # moments RAM cannot keep
         to_disk = min(tier.disk_bytes, -(-to_disk // slot) * slot if to_disk else 0)  # whole units (at most)
+        to_disk = tier.disk_bytes if masters else to_disk
         return base <= ram_available and to_disk + DISK_HEADROOM_BYTES <= disk_free
 
     lo, hi = 0, 1

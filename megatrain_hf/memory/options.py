@@ -84,10 +84,14 @@ class MemoryOptions:
     megatrain creates its own directory inside it (mode 0700, unique per run, removed at exit).
     Where the moments go is `offload_state`'s choice. `None`: everything in RAM."""
 
-    offload_state: Literal["auto", "moments"] = "auto"
+    offload_state: Literal["auto", "moments", "all"] = "auto"
     """With `offload_dir`: `"auto"` keeps the moments in RAM when the plan fits there and puts them on
-    disk when it does not (logged); `"moments"` puts them on disk whatever RAM there is. Refused
-    before allocating, with the arithmetic, when RAM + the free space of `offload_dir` are short."""
+    disk when it does not (the fewest units' first, then, if RAM is still short, the fp32 masters of
+    the matrices of the fewest units; logged); `"moments"` puts every unit's moments on disk whatever
+    RAM there is; `"all"` the moments and the fp32 masters of the matrices (4 B/param more; the device
+    streams their bf16 staging copy, so only the update reads them), which needs bf16 compute with the
+    staging copy and no data parallelism. Refused before allocating, with the arithmetic, when RAM +
+    the free space of `offload_dir` are short."""
 
     def gpu_memory_bytes(self) -> int | None:
         """``max_gpu_memory`` in bytes (None without a budget)."""

@@ -60,6 +60,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         device: torch.device | None = None,
         state: str = "fp32",
         offload_dir: str | None = None, offload_window: int | None = None, offload_units=None,
+        offload_masters=False,
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -73,6 +74,9 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         self.format = format_of(state)  # refuses an unknown format, naming the allowed ones
         self.offload_dir, self.offload_window, self._pager = offload_dir, offload_window, None  # _pager: PagedState
         self._offload_units = None if offload_units is None else frozenset(offload_units)  # None: all units
+        # the paged units whose staged fp32 masters are in their files too (True: all; offload_state="all")
+        self._offload_masters = offload_masters if isinstance(offload_masters, bool) else frozenset(offload_masters)
+        self.master_units: list[int] = []  # (set by _build_state)
         self.device = device if device is not None else torch.device("cpu")  # where the uploads run
         self._native = None
         if kernel == "native":
@@ -144,16 +148,21 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         if self.format.mode != "fp32":  # a paged unit's codes and scales live in the disk tier's slots
             self.moments = CompressedMoments(
                 self.format, {u: [e for entries in groups.values() for e in entries] for u, groups in self._plan.items()},
-                {u: self.store.buffers[u].master_host.numel() for u in self._plan}, self.store.allocate, paged)
+                {u: self.store.n_train(u) for u in self._plan}, self.store.allocate, paged)
         # one step counter per parameter, as torch's AdamW: a parameter without a gradient in a
         # step keeps its count (and its bias correction)
         self._steps: dict[tuple[int, int], list[torch.Tensor]] = {}
         specs = {u: self.state_spec(u) for u in self._plan}
         if self.offload_dir is not None:
-            from .paged_state import DEFAULT_WINDOW, PagedState
+            from .paged_state import DEFAULT_WINDOW, MASTER, PagedState, master_units, move_masters
 
-            self._pager = PagedState(self.offload_dir, {u: specs[u] for u in sorted(paged)},
-                                     self.offload_window or DEFAULT_WINDOW)
+            masters = master_units(self.store, paged, self._offload_masters)
+            n_staged = {u: self.store.buffers[u].n_staged for u in masters}
+            self._pager = PagedState(self.offload_dir, {
+                u: ({MASTER: (n_staged[u], torch.float32)} if u in n_staged else {}) | specs[u] for u in sorted(paged)
+            }, self.offload_window or DEFAULT_WINDOW)
+            move_masters(self._pager, self.store, masters)
+            self.master_units = masters
         for u, groups in self._plan.items():
             if self.moments is None and not self._paged(u):
                 self._exp_avg[u] = self.store.allocate(specs[u]["exp_avg"][0], torch.float32).zero_()
@@ -187,6 +196,8 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.synchronize()
+        if self.master_units:  # masters written through their mapping since are in the files, not in a slot
+            self._pager.forget(self.master_units)
         sharding = self.store.sharding
         if sharding is not None:  # the owners' gradient sums become means (DDP's average)
             sharding.take_mean(self.store.held_grads())
@@ -288,8 +299,8 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
     def _update(self, job: UnitJob, on_device: bool) -> None:
         # with the disk tier the moments' views are in a slot while the update runs
         bind = None if self.moments is None else self._bind
-        with self._pager.paged_in(job, bind) if self._paged(job.unit) else contextlib.nullcontext():
-            self._update_resident(job)
+        with self._pager.paged_in(job, bind) if self._paged(job.unit) else contextlib.nullcontext() as master:
+            self._update_resident(job, master)
 
     disk_tier = property(lambda self: self._pager, doc="The PagedState of the moments on disk (None: all in RAM).")
 
@@ -301,7 +312,8 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         states = self.moments.views(u, tensors)
         work.compressed = [states[id(e.tensor)] for e in work.entries]
 
-    def _update_resident(self, job: UnitJob) -> None:
+    def _update_resident(self, job: UnitJob, master: torch.Tensor | None = None) -> None:
+        """``master``: the unit's staged masters when they are on disk (the slot's copy the update changes)."""
         u = job.unit
         staging_was_fresh = self.store.staging_fresh(u)
         for w in job.work:
@@ -313,7 +325,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         if self._native is not None and staging_was_fresh:
             self.store.staging_written(u)  # the kernel wrote the copy of every master it changed
         else:
-            self.store.stage(u)  # the compute-dtype copy, while the masters are warm in cache
+            self.store.stage(u, master)  # the compute-dtype copy, while the masters are warm in cache
 
     def _account(self, job: UnitJob, on_device: bool, elapsed: float) -> None:
         with self._stats_lock:

@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_WINDOW = 4
 """Slots in RAM: the unit updating, one written back behind it, two read ahead."""
 
+MASTER = "master"
+"""The state tensor holding a unit's fp32 masters ``[:n_staged]`` (``offload_state="all"``), first in its
+file (offset 0); the parameters alias a mapping of it (:meth:`PagedState.map`, ``core/master_home.py``)."""
+
 
 @dataclass
 class _Slot:
@@ -162,25 +166,61 @@ class PagedState:
             self.release(u, dirty=write)
 
     @contextlib.contextmanager
+    def state(self, u: int, write: bool):
+        """Unit ``u``'s optimizer state tensors (not its master) while the block runs, read from the file
+        (not from a slot kept from before: the master may have changed through its mapping since)."""
+        self.forget([u])
+        with self.resident(u, write) as flats:
+            yield {k: v for k, v in flats.items() if k != MASTER}
+
+    @contextlib.contextmanager
     def paged_in(self, job, bind=None):
-        """A HostAdamW ``UnitJob`` with its moments' views in a slot; written back after the block.
+        """A HostAdamW ``UnitJob`` with its moments' views in a slot; written back after the block. With
+        the unit's master in the file too, the job's staged parameters are the slot's master for the block,
+        which yields that master flat (else None).
 
         ``bind(unit, tensors, work)``: points one of the job's ``GroupWork`` at the slot's tensors (the
         compressed formats' entry states); default: views of fp32 ``exp_avg`` / ``exp_avg_sq`` flats."""
         with self.resident(job.unit, write=True) as flats:
+            master = flats.get(MASTER)
+            params = [w.params for w in job.work]
             try:
                 for w in job.work:
+                    if master is not None:  # staged entries come first in the flat: [0, n_staged)
+                        w.params = [_view(master, e) if e.offset < master.numel() else p
+                                    for e, p in zip(w.entries, w.params)]
                     if bind is not None:
                         bind(job.unit, flats, w)
                         continue
                     w.exp_avgs = [_view(flats["exp_avg"], e) for e in w.entries]
                     w.exp_avg_sqs = [_view(flats["exp_avg_sq"], e) for e in w.entries]
-                yield
+                yield master
             finally:
-                for w in job.work:  # no view of a slot outlives the block (the slot is reused)
-                    w.exp_avgs, w.exp_avg_sqs = [], []
+                for w, p in zip(job.work, params):  # no view of a slot outlives the block (the slot is reused)
+                    w.exp_avgs, w.exp_avg_sqs, w.params = [], [], p
                     if w.compressed is not None:
                         w.compressed = []
+
+    def map(self, u: int, key: str) -> torch.Tensor:
+        """Tensor ``key`` of unit ``u``'s file as a shared mapping of the file (reads and writes go to it
+        through the page cache; valid while mapped, even once the file is removed)."""
+        import numpy as np
+
+        offset, numel, dtype = self._files[u].tensors[key]
+        path = f"{self.run_dir}/{self._files[u].name}"
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+        return torch.from_numpy(np.memmap(path, dtype=np_dtype, mode="r+", offset=offset, shape=(numel,)))
+
+    def forget(self, units) -> None:
+        """Drop the slots' copies of ``units`` (not in use), once their reads and write-backs are done, so
+        that the next :meth:`acquire` reads the file (where a mapping's writes land)."""
+        with self._lock:
+            for slot in self._slots:
+                if slot.unit in units and not slot.in_use:
+                    self._wait(slot.read)
+                    self._wait(slot.write)
+                    slot.unit, slot.read, slot.write = None, DONE, DONE
+            self._raise()
 
     def flush(self) -> None:
         """Wait for every write-back; raise the first that failed."""
@@ -261,8 +301,42 @@ def fill_state_dict(optimizer, out: dict) -> None:
         for p in group["params"]:
             index.setdefault(p, len(index))
     for u, groups in optimizer._plan.items():
-        with optimizer.unit_state(u) as flats:
+        with optimizer.unit_state(u) as flats:  # (the moments only)
             for entries in groups.values():
                 for e in entries:
                     for key in ("exp_avg", "exp_avg_sq"):
                         out["state"][index[e.tensor]][key] = _view(flats[key], e).clone()
+
+
+def master_units(store, units, offload_masters) -> list[int]:
+    """The units of ``units`` (paged) whose staged masters go to disk too: ``offload_masters`` True (all of
+    them) or a collection of units; those without staged masters (embedding, norms, LoRA) keep theirs in RAM.
+    Refused where the staging copy, which the device streams instead of the masters, is missing."""
+    if not offload_masters:
+        return []
+    if not store.staging:
+        raise ValueError(
+            "megatrain: the fp32 masters on disk (offload_state='all', offload_masters) need the bf16 staging copy, "
+            "which the device streams instead of the masters; this store has none (fp32 compute, or "
+            "host_staging=False, streams the masters themselves). Fix: bf16 compute (bf16=True / compute_dtype="
+            "'bf16') with host_staging=True or 'auto', or offload_state='moments'.")
+    chosen = [u for u in sorted(units) if (offload_masters is True or u in offload_masters)
+              and store.buffers[u].n_staged]
+    if chosen and store.sharding is not None:
+        raise ValueError("megatrain: the fp32 masters on disk (offload_state='all') do not combine with data "
+                         "parallelism (each unit's owner broadcasts its masters from RAM). Fix: "
+                         "offload_state='moments', or data_parallel=False.")
+    return chosen
+
+
+def move_masters(pager: PagedState, store, units: list[int]) -> None:
+    """The staged masters of ``units`` into their files (``MASTER``), then the parameters onto a mapping of
+    them and their RAM flat freed (``core/master_home.py``), a unit at a time."""
+    from ..core.master_home import page_masters
+
+    for u in units:
+        store.stage(u)  # from the RAM flat now: a stale copy would be refreshed from the mapping (a read of it)
+        with pager.resident(u, write=True) as flats:
+            flats[MASTER].copy_(store.staged_master(u))
+        pager.flush()  # written before the mapping is read
+        page_masters(store, u, pager.map(u, MASTER))

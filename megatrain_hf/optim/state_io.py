@@ -18,14 +18,14 @@ class AdamWStateIO:
         """Unit ``u``'s contiguous state tensors: name -> (elements, dtype); the disk tier pages these as bytes."""
         if self.moments is not None:  # the codes and scales (or bf16 moments) of the compressed format
             return dict(self.moments.specs[u])
-        numel = self.store.buffers[u].master_host.numel()
+        numel = self.store.n_train(u)
         return {"exp_avg": (numel, torch.float32), "exp_avg_sq": (numel, torch.float32)}
 
     def unit_state(self, u: int, write: bool = False):
         """Unit ``u``'s state tensors, resident while the block runs (no update running: after :meth:`synchronize`);
         ``write=True``: what the block changed is kept (written back when the state is on disk)."""
-        if self._paged(u):
-            return self._pager.resident(u, write)
+        if self._paged(u):  # (its moments; a master on disk too stays in the file)
+            return self._pager.state(u, write)
         if self.moments is not None:
             return contextlib.nullcontext(self.moments.tensors[u])
         return contextlib.nullcontext({"exp_avg": self._exp_avg[u], "exp_avg_sq": self._exp_avg_sq[u]})
