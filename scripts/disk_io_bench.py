@@ -19,7 +19,7 @@ from ``aligned_empty``); ``deepspeed`` is ``deepspeed.ops.op_builder.AsyncIOBuil
 one for writes as its parameter swapper has, buffers from ``new_cpu_locked_tensor`` so it needs no
 bounce copy); ``dd`` is one ``dd`` stream of 8 MiB direct requests over one file of ``--gib``
 (zeros written: a device that detects zero blocks would flatter the write). Prints JSON lines, one
-per configuration and repetition, then a summary of the best of each engine. GB/s = 10**9 bytes/s.
+per configuration and repetition, then per configuration the median and the best over ``--repeat`` passes. GB/s = 10**9 bytes/s.
 
     python scripts/disk_io_bench.py --dir /work/aio-bench --gib 4
     python scripts/disk_io_bench.py --dir /nvme/tmp --gib 8 --engines deepspeed --ds-block-mib 1 8
@@ -31,6 +31,7 @@ import argparse
 import itertools
 import json
 import os
+import statistics
 import subprocess
 import time
 
@@ -39,6 +40,8 @@ import torch
 from megatrain_hf.core.disk_io import DiskIO, aligned_empty
 
 MiB = 2**20
+RATES = ("write_GBps", "read_GBps", "overlap_GBps")
+RESULT_KEYS = RATES + ("caches_dropped", "repeat", "bytes", "unit_MiB")
 
 
 def drop_caches() -> bool:
@@ -248,14 +251,17 @@ def main() -> None:
             if os.path.exists(path):
                 os.unlink(path)
         os.rmdir(run_dir)
-    summary = {}
-    for kind in args.engines:
-        mine = [r for r in rows if r["engine"] == kind]
-        if mine:
-            summary[kind] = {k: max(r[k] for r in mine) for k in ("write_GBps", "read_GBps", "overlap_GBps")
-                             if k in mine[0]}
     print(json.dumps({"dir": os.path.abspath(args.dir), "units": units, "unit_MiB": args.unit_mib,
-                      "best": summary}, indent=2))
+                      "median": summarize(rows, statistics.median), "best": summarize(rows, max)}, indent=2))
+
+
+def summarize(rows: list[dict], reduce) -> dict:
+    """Per configuration (engine and knobs), ``reduce`` over the repetitions of each rate."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        key = " ".join(f"{k}={v}" for k, v in r.items() if k not in RESULT_KEYS)
+        groups.setdefault(key, []).append(r)
+    return {key: {k: round(reduce(r[k] for r in rs), 3) for k in RATES if k in rs[0]} for key, rs in groups.items()}
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from ..core.readiness import zero_grad_after
 from ..core.store import HostStore, unfrozen_error
 from ..core.workers import start_worker
 from .compressed import CompressedMoments
+from .disk_engines import CHOICES as DISK_IO_CHOICES
 from .kernels import GroupWork, UnitJob, native_update, torch_update
 from .quant import format_of
 from .state_io import AdamWStateIO
@@ -60,6 +61,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         device: torch.device | None = None,
         state: str = "fp32",
         offload_dir: str | None = None, offload_window: int | None = None, offload_units=None,
+        disk_io: str = "threads",
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -69,9 +71,12 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
             raise ValueError(f"HostAdamW weight_decay={weight_decay}: must be >= 0")
         if kernel not in ("torch", "native"):
             raise ValueError(f"HostAdamW kernel={kernel!r}; allowed: 'torch' or 'native'")
+        if disk_io not in DISK_IO_CHOICES:
+            raise ValueError(f"HostAdamW disk_io={disk_io!r}; allowed: {', '.join(map(repr, DISK_IO_CHOICES))}")
         self.store = store
         self.format = format_of(state)  # refuses an unknown format, naming the allowed ones
         self.offload_dir, self.offload_window, self._pager = offload_dir, offload_window, None  # _pager: PagedState
+        self.disk_io = disk_io  # the tier's I/O engine: optim/disk_engines.py CHOICES
         self._offload_units = None if offload_units is None else frozenset(offload_units)  # None: all units
         self.device = device if device is not None else torch.device("cpu")  # where the uploads run
         self._native = None
@@ -153,7 +158,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
             from .paged_state import DEFAULT_WINDOW, PagedState
 
             self._pager = PagedState(self.offload_dir, {u: specs[u] for u in sorted(paged)},
-                                     self.offload_window or DEFAULT_WINDOW)
+                                     self.offload_window or DEFAULT_WINDOW, disk_io=self.disk_io)
         for u, groups in self._plan.items():
             if self.moments is None and not self._paged(u):
                 self._exp_avg[u] = self.store.allocate(specs[u]["exp_avg"][0], torch.float32).zero_()

@@ -102,7 +102,7 @@ def _host_optimizer(plugin, optimizer: torch.optim.Optimizer) -> HostAdamW:
     kwargs = dict(host_threads=engine.host_threads, kernel=config.resolve_host_adamw_kernel(engine.device),
                   device=engine.device, state=config.optimizer_state)
     if engine.state_tier.on_disk:  # the engine's plan put the moments on disk (offload_dir)
-        kwargs.update(offload_dir=config.offload_dir, offload_units=engine.state_tier.units)
+        kwargs.update(offload_dir=config.offload_dir, offload_units=engine.state_tier.units, disk_io=config.disk_io)
     if config.device_update:
         from ...optim.device_update import DeviceShareAdamW
 
