@@ -10,7 +10,8 @@ write overwrites real blocks, as the tier's steps after the first do):
 * ``read_GBps``: the page cache dropped (``/proc/sys/vm/drop_caches``, where permitted), all files read,
   ``--inflight`` at a time;
 * ``overlap_GBps``: the tier's steady state: batches of 2 reads (the units read ahead) and 1 write
-  (the unit written behind) in flight together, (bytes read + written) over the time.
+  (the unit written behind) in flight together, (bytes read + written) over the time; and
+  ``overlap_cpu_s_per_GB``, the CPU time of the whole process (every thread, DeepSpeed's too) per GB moved.
 
 Engines: ``threads`` is ``megatrain_hf.core.disk_io.DiskIO`` (``--threads`` x ``--request-mib``, buffers
 from ``aligned_empty``); ``deepspeed`` is ``deepspeed.ops.op_builder.AsyncIOBuilder().load().aio_handle``
@@ -41,7 +42,7 @@ from megatrain_hf.core.disk_io import DiskIO, aligned_empty
 
 MiB = 2**20
 RATES = ("write_GBps", "read_GBps", "overlap_GBps")
-RESULT_KEYS = RATES + ("caches_dropped", "repeat", "bytes", "unit_MiB")
+RESULT_KEYS = RATES + ("overlap_cpu_s_per_GB", "caches_dropped", "repeat", "bytes", "unit_MiB")
 
 
 def drop_caches() -> bool:
@@ -156,7 +157,7 @@ def measure(engine, paths: list[str], unit_bytes: int, inflight: int) -> dict:
     row["read_GBps"] = unit / batches("read", paths) / 1e9
     # steady state: read the next two units while the previous one is written back
     half = len(paths) // 2
-    moved, start = 0, time.perf_counter()
+    moved, start, cpu = 0, time.perf_counter(), time.process_time()
     for i in range(0, half - 1, 2):
         pending = [engine.submit("read", paths[i], slots[0]), engine.submit("read", paths[i + 1], slots[1]),
                    engine.submit("write", paths[half + i // 2], slots[2])]
@@ -164,6 +165,7 @@ def measure(engine, paths: list[str], unit_bytes: int, inflight: int) -> dict:
         moved += 3 * unit_bytes
     fsync_all(paths[half:])
     row["overlap_GBps"] = moved / (time.perf_counter() - start) / 1e9
+    row["overlap_cpu_s_per_GB"] = (time.process_time() - cpu) / (moved / 1e9)  # all the process's threads
     return row
 
 
@@ -204,7 +206,7 @@ def main() -> None:
     parser.add_argument("--ds-block-mib", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--ds-queue-depth", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--ds-threads", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--repeat", type=int, default=1, help="passes over all configurations (interleaved)")
+    parser.add_argument("--repeat", type=int, default=1, help="passes over all configurations, every other one in reverse order")
     parser.add_argument("--full-grid", action="store_true",
                         help="every combination; default: each knob varied around the defaults (4 threads x 4 MiB; "
                              "DeepSpeed 1 MiB x depth 8 x 1 thread) plus each block size at each depth")
@@ -232,7 +234,7 @@ def main() -> None:
     try:
         fill(paths, unit_bytes)
         for rep in range(args.repeat):
-            for kind, c in configs:
+            for kind, c in (configs if rep % 2 == 0 else configs[::-1]):  # odd passes reversed: no order bias
                 engine = ThreadsEngine(*c) if kind == "threads" else DeepSpeedEngine(module, *c)
                 try:
                     row = measure(engine, paths, unit_bytes, args.inflight)
@@ -252,16 +254,16 @@ def main() -> None:
                 os.unlink(path)
         os.rmdir(run_dir)
     print(json.dumps({"dir": os.path.abspath(args.dir), "units": units, "unit_MiB": args.unit_mib,
-                      "median": summarize(rows, statistics.median), "best": summarize(rows, max)}, indent=2))
+                      "median": summarize(rows, statistics.median, RATES + ("overlap_cpu_s_per_GB",)), "best": summarize(rows, max)}, indent=2))
 
 
-def summarize(rows: list[dict], reduce) -> dict:
+def summarize(rows: list[dict], reduce, keys=RATES) -> dict:
     """Per configuration (engine and knobs), ``reduce`` over the repetitions of each rate."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
         key = " ".join(f"{k}={v}" for k, v in r.items() if k not in RESULT_KEYS)
         groups.setdefault(key, []).append(r)
-    return {key: {k: round(reduce(r[k] for r in rs), 3) for k in RATES if k in rs[0]} for key, rs in groups.items()}
+    return {key: {k: round(reduce(r[k] for r in rs), 3) for k in keys if k in rs[0]} for key, rs in groups.items()}
 
 
 if __name__ == "__main__":
