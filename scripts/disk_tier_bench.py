@@ -17,6 +17,7 @@ compute through the staging copy, as on a GPU), attaches megatrain, runs ``--ste
     python scripts/disk_tier_bench.py --offload-dir /nvme/tmp --raw-read 1.2 --raw-write 1.7
     python scripts/disk_tier_bench.py --offload-dir /nvme/tmp --optimizer-state 8bit --kernel native
     python scripts/disk_tier_bench.py --offload-dir /nvme/tmp --offload-state all --bf16
+    python scripts/disk_tier_bench.py --offload-dir /nvme/tmp --disk-io deepspeed   # DeepSpeed's libaio op
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def main() -> None:
     parser.add_argument("--optimizer-state", default="fp32", choices=["fp32", "bf16", "8bit", "4bit"],
                         help="the moments' format (MegaTrainConfig.optimizer_state)")
     parser.add_argument("--kernel", default="torch", choices=["torch", "native"], help="HostAdamW's host kernel")
+    parser.add_argument("--disk-io", default="threads", choices=["threads", "auto", "deepspeed"],
+                        help="the tier's I/O engine (MegaTrainConfig.disk_io)")
     parser.add_argument("--raw-read", type=float, default=None, help="GB/s, from scripts/disk_rates.py")
     parser.add_argument("--raw-write", type=float, default=None, help="GB/s, from scripts/disk_rates.py")
     args = parser.parse_args()
@@ -77,7 +80,7 @@ def main() -> None:
     rss_peak_reset()
     opt = HostAdamW(model.parameters(), engine.store, lr=1e-4, offload_dir=args.offload_dir,
                     state=args.optimizer_state, kernel=args.kernel, offload_window=args.window,
-                    offload_masters=args.offload_dir is not None and args.offload_state == "all")
+                    offload_masters=args.offload_dir is not None and args.offload_state == "all", disk_io=args.disk_io)
     built_peak = rss_peak()
     rss_peak_reset()
     ids = torch.randint(0, args.vocab, (1, args.seq), generator=torch.Generator().manual_seed(1))
@@ -117,7 +120,8 @@ def main() -> None:
         "steps_peak_rss_B_per_param": steps_peak / trainable,
         "ram_bytes": ram, "ram_B_per_param": {k: v / trainable for k, v in ram.items()},
         "update_elements_per_s": trainable / steps[-1]["update_s"],
-        "o_direct": all(opt._pager.io.direct.values()) if opt._pager else None, "steps": steps,
+        "o_direct": all(opt._pager.io.direct.values()) if opt._pager else None,
+        "disk_io_engine": type(opt._pager.io).__name__ if opt._pager else None, "steps": steps,
     }, indent=2))
     opt.close()
 

@@ -89,7 +89,7 @@ class DiskIO:
                     os.posix_fallocate(fd, 0, nbytes)
                 except OSError as exc:
                     if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                        raise _error("reserving", path, nbytes, 0, exc) from None
+                        raise io_error("reserving", path, nbytes, 0, exc) from None
                     os.ftruncate(fd, nbytes)  # no preallocation here: a sparse file of zeros
         except BaseException:
             os.close(fd)
@@ -125,6 +125,10 @@ class DiskIO:
         self._paths[fd], self.direct[fd] = path, direct
         return fd
 
+    def empty(self, nbytes: int) -> torch.Tensor:
+        """A buffer of ``nbytes`` this engine reads into and writes from at full speed (:func:`aligned_empty`)."""
+        return aligned_empty(nbytes)
+
     def close(self, fd: int) -> None:
         self._paths.pop(fd, None)
         self.direct.pop(fd, None)
@@ -148,7 +152,7 @@ class DiskIO:
         try:
             os.fsync(fd)
         except OSError as exc:
-            raise _error("syncing", self._paths[fd], 0, 0, exc) from None
+            raise io_error("syncing", self._paths[fd], 0, 0, exc) from None
 
     def _submit(self, piece, fd: int, buffer: torch.Tensor, offset: int) -> Pending:
         view = buffer.reshape(-1).view(torch.uint8).numpy()
@@ -158,7 +162,7 @@ class DiskIO:
                         for i in range(0, len(view), step)])
 
 
-def _error(what: str, path: str, nbytes: int, offset: int, exc: OSError) -> OSError:
+def io_error(what: str, path: str, nbytes: int, offset: int, exc: OSError) -> OSError:
     return OSError(exc.errno, f"megatrain disk tier: {what} {nbytes} bytes at offset {offset} of {path} failed: "
                               f"{exc.strerror or exc}" + (" (the disk is full: free space on it or choose "
                                                           "another offload_dir)" if exc.errno == errno.ENOSPC else ""))
@@ -173,7 +177,7 @@ def _read_piece(fd: int, path: str, view, offset: int) -> None:
                 raise OSError(errno.EIO, "unexpected end of file")
             done += n
     except OSError as exc:
-        raise _error("reading", path, len(view), offset, exc) from None
+        raise io_error("reading", path, len(view), offset, exc) from None
 
 
 def _write_piece(fd: int, path: str, view, offset: int) -> None:
@@ -182,7 +186,7 @@ def _write_piece(fd: int, path: str, view, offset: int) -> None:
         while done < len(view):
             done += os.pwritev(fd, [view[done:]], offset + done)
     except OSError as exc:
-        raise _error("writing", path, len(view), offset, exc) from None
+        raise io_error("writing", path, len(view), offset, exc) from None
 
 
 # ---------------------------------------------------------------------------------- the run's directory

@@ -93,6 +93,14 @@ class MemoryOptions:
     staging copy and no data parallelism. Refused before allocating, with the arithmetic, when RAM +
     the free space of `offload_dir` are short."""
 
+    disk_io: Literal["threads", "auto", "deepspeed"] = "threads"
+    """The disk tier's I/O engine ([disk tier](disk-tier.md)): `"threads"`, a pool of
+    `preadv`/`pwritev` threads with `O_DIRECT`, no dependency, every failed request raised with its
+    file and bytes; `"deepspeed"`, DeepSpeed's async I/O op (libaio; `pip install
+    'megatrain_hf[aio]'` and libaio-dev), faster on the development machine's disk but blind to an
+    I/O error the device reports inside a request, refused with the reason where it cannot run;
+    `"auto"`: DeepSpeed's where it can run, else the threads (logged)."""
+
     def gpu_memory_bytes(self) -> int | None:
         """``max_gpu_memory`` in bytes (None without a budget)."""
         return parse_size("max_gpu_memory", self.max_gpu_memory)

@@ -31,6 +31,7 @@ from ..core.readiness import zero_grad_after
 from ..core.store import HostStore, unfrozen_error
 from ..core.workers import start_worker
 from .compressed import CompressedMoments
+from .disk_engines import CHOICES as DISK_IO_CHOICES
 from .kernels import GroupWork, UnitJob, native_update, torch_update
 from .quant import format_of
 from .state_io import AdamWStateIO
@@ -61,6 +62,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         state: str = "fp32",
         offload_dir: str | None = None, offload_window: int | None = None, offload_units=None,
         offload_masters=False,
+        disk_io: str = "threads",
     ) -> None:
         if not 0.0 <= eps:
             raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
@@ -70,9 +72,12 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
             raise ValueError(f"HostAdamW weight_decay={weight_decay}: must be >= 0")
         if kernel not in ("torch", "native"):
             raise ValueError(f"HostAdamW kernel={kernel!r}; allowed: 'torch' or 'native'")
+        if disk_io not in DISK_IO_CHOICES:
+            raise ValueError(f"HostAdamW disk_io={disk_io!r}; allowed: {', '.join(map(repr, DISK_IO_CHOICES))}")
         self.store = store
         self.format = format_of(state)  # refuses an unknown format, naming the allowed ones
         self.offload_dir, self.offload_window, self._pager = offload_dir, offload_window, None  # _pager: PagedState
+        self.disk_io = disk_io  # the tier's I/O engine: optim/disk_engines.py CHOICES
         self._offload_units = None if offload_units is None else frozenset(offload_units)  # None: all units
         # the paged units whose staged fp32 masters are in their files too (True: all; offload_state="all")
         self._offload_masters = offload_masters if isinstance(offload_masters, bool) else frozenset(offload_masters)
@@ -160,7 +165,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
             n_staged = {u: self.store.buffers[u].n_staged for u in masters}
             self._pager = PagedState(self.offload_dir, {
                 u: ({MASTER: (n_staged[u], torch.float32)} if u in n_staged else {}) | specs[u] for u in sorted(paged)
-            }, self.offload_window or DEFAULT_WINDOW)
+            }, self.offload_window or DEFAULT_WINDOW, disk_io=self.disk_io)
             move_masters(self._pager, self.store, masters)
             self.master_units = masters
         for u, groups in self._plan.items():

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core.disk_io import ALIGN, DONE, DiskIO, Pending, aligned_empty, align_up, create_run_dir, remove_run_dir
+from ..core.disk_io import ALIGN, DONE, DiskIO, Pending, align_up, create_run_dir, remove_run_dir
+from .disk_engines import open_disk_io
 
 logger = logging.getLogger(__name__)
 
@@ -64,25 +65,32 @@ class PagedState:
     """Per-unit state tensors on disk under ``offload_dir``; at most ``window`` units in RAM at once."""
 
     def __init__(self, offload_dir: str, specs: dict[int, dict[str, tuple[int, torch.dtype]]],
-                 window: int = DEFAULT_WINDOW, io: DiskIO | None = None) -> None:
+                 window: int = DEFAULT_WINDOW, io: DiskIO | None = None, disk_io: str = "threads") -> None:
         if window < 2:
             raise ValueError(f"PagedState window={window}: must be >= 2 (one unit updating, one written back)")
-        self.io = io if io is not None else DiskIO()
-        self.run_dir = create_run_dir(offload_dir)
-        self._files: dict[int, _UnitFile] = {}
-        names: list[str] = []  # the files this run created (the only ones removed)
-        self._finalizer = weakref.finalize(self, _cleanup, self.io, self.run_dir, names)
+        layouts = {}
         for u, spec in specs.items():
             tensors, offset = {}, 0
             for key, (numel, dtype) in spec.items():
                 tensors[key] = (offset, numel, dtype)
                 offset += align_up(numel * dtype.itemsize)
+            layouts[u] = (tensors, offset)
+        slot_bytes = max([nbytes for _, nbytes in layouts.values()] + [ALIGN])
+        self.run_dir = create_run_dir(offload_dir)
+        try:  # the engine (disk_engines.CHOICES) unless one is given
+            self.io = io if io is not None else open_disk_io(disk_io, self.run_dir, window * slot_bytes)
+        except BaseException:
+            remove_run_dir(self.run_dir, [])
+            raise
+        self._files: dict[int, _UnitFile] = {}
+        names: list[str] = []  # the files this run created (the only ones removed)
+        self._finalizer = weakref.finalize(self, _cleanup, self.io, self.run_dir, names)
+        for u, (tensors, nbytes) in layouts.items():
             name = f"unit-{u:05d}.state"
             names.append(name)
-            fd = self.io.create(f"{self.run_dir}/{name}", offset)
-            self._files[u] = _UnitFile(name, fd, offset, tensors)
-        slot_bytes = max([f.nbytes for f in self._files.values()] + [ALIGN])
-        self._slots = [_Slot(aligned_empty(slot_bytes)) for _ in range(window)]
+            fd = self.io.create(f"{self.run_dir}/{name}", nbytes)
+            self._files[u] = _UnitFile(name, fd, nbytes, tensors)
+        self._slots = [_Slot(self.io.empty(slot_bytes)) for _ in range(window)]
         self.ahead = window - 2  # units read ahead of the one updating (one slot is left for the write-back)
         self._lock = threading.Lock()
         self._error: BaseException | None = None
