@@ -431,7 +431,8 @@ def test_gpu_suite_dry_run_commands_parse():
                           env=env, timeout=60)
     assert done.returncode == 0, done.stderr
     commands = [shlex.split(line[len("DRY:"):]) for line in done.stdout.splitlines() if line.startswith("DRY:")]
-    parts = {"longctx": ["longctx-64k", "longctx-128k"], "longctx-more": ["longctx-256k"]}  # several benches
+    parts = {"longctx": ["longctx-64k", "longctx-128k"], "longctx-more": ["longctx-256k"],  # several benches
+             "state-3b": ["state-3b-fp32", "state-3b-8bit", "state-3b-4bit"]}
     # dp-7b: one run on 1 GPU, one on 2; disk-13b: the raw disk rates and the estimate before its bench
     assert len(commands) == len(stages) + 1 + 2 + sum(len(p) - 1 for p in parts.values())
     dp = [w for w in commands if "scripts/gpu_train.py" in w]
@@ -449,6 +450,8 @@ def test_gpu_suite_dry_run_commands_parse():
             assert json.loads(words[1].split("=", 1)[1])["offload_dir"] and args.systems == "megatrain"
         elif stage == "qlora-70b":  # its own options, not the caller's
             assert words[:2] == ["env", 'MEGATRAIN_CONFIG={"max_gpu_memory": "24GiB"}'] and args.lora_rank == 16
+        elif stage.startswith("state-3b"):  # megatrain alone, one optimizer_state per bench
+            assert json.loads(words[1].split("=", 1)[1])["optimizer_state"] == stage.split("-")[-1]
         elif stage.startswith("longctx"):  # megatrain alone, with its long-context options
             assert words[1].startswith("MEGATRAIN_CONFIG=") and json.loads(words[1].split("=", 1)[1])
             assert args.model == "llama-7b" and args.seq_len >= 65536 and args.systems == "megatrain"
@@ -458,7 +461,7 @@ def test_gpu_suite_dry_run_commands_parse():
             check_workload(system, args.grad_accum)
         assert args.budget_s is not None and args.device == "cuda" and args.dtype == "bf16"
         benches[stage] = args
-    assert set(benches) == (set(stages) - {"tests", "probe", "dp-7b", *parts}) | {p for ps in parts.values() for p in ps}
+    assert set(benches) == (set(stages) - {"tests", "probe", "quality", "dp-7b", *parts}) | {p for ps in parts.values() for p in ps}
     sixteen = benches["baselines-16k"]
     assert (sixteen.model, sixteen.seq_len * sixteen.micro_batch * sixteen.grad_accum) == ("llama-3.14b", 16384)
     assert sixteen.warmup_steps >= 8 and "deepspeed" in sixteen.systems
