@@ -49,10 +49,10 @@ def test_stale_staging_would_be_caught(tmp_path):
     original = HostStore.stage
     first = {}
 
-    def stage_once(self, u):  # stage each unit once, never refresh
+    def stage_once(self, u, master=None):  # stage each unit once, never refresh
         if u not in first:
             first[u] = True
-            original(self, u)
+            original(self, u, master)
 
     HostStore.stage = stage_once
     try:
