@@ -8,6 +8,8 @@ same seed, so one run cannot mask the other.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import transformers
 from torch.utils.data import Dataset
@@ -194,3 +196,14 @@ def assert_close_losses(ref: list[float], got: list[float], atol: float) -> None
     assert len(ref) == len(got) and ref, (len(ref), len(got))
     diffs = [abs(x - y) for x, y in zip(ref, got)]
     assert max(diffs) <= atol, f"loss differs by {max(diffs)} at micro-step {diffs.index(max(diffs))}: {ref} vs {got}"
+
+
+def optimizer_files(checkpoint) -> dict[str, tuple]:
+    """Each shard's metadata and tensors' bytes (safetensors orders the metadata keys arbitrarily)."""
+    from safetensors import safe_open
+
+    folder, out = checkpoint / "megatrain_optimizer", {}
+    for name in sorted(os.listdir(folder)):
+        with safe_open(str(folder / name), framework="pt") as f:
+            out[name] = (f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()})
+    return out

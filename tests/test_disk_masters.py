@@ -12,8 +12,8 @@ import os
 
 import pytest
 import torch
+from helpers import optimizer_files, state_of, tiny_model, train, training_args
 
-from helpers import state_of, tiny_model, train, training_args
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.optim import native
 
@@ -88,17 +88,6 @@ def _files(folder) -> dict[str, bytes]:
             if name.endswith(".safetensors")}
 
 
-def _optimizer_files(checkpoint) -> dict[str, tuple]:
-    """Each shard's metadata and tensors' bytes (safetensors orders the metadata keys arbitrarily)."""
-    from safetensors import safe_open
-
-    folder, out = checkpoint / "megatrain_optimizer", {}
-    for name in sorted(os.listdir(folder)):
-        with safe_open(str(folder / name), framework="pt") as f:
-            out[name] = (f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()})
-    return out
-
-
 def test_resume_and_saved_models_with_masters_on_disk_equal_the_in_ram_run(tmp_path):
     """Checkpoints read the masters through their mapping: the model files and the optimizer shards (moments
     only, as in RAM) are the in-RAM run's bytes; a fresh model resumed from one with the masters on disk ends
@@ -109,7 +98,7 @@ def test_resume_and_saved_models_with_masters_on_disk_equal_the_in_ram_run(tmp_p
     assert losses == ref_losses
     for step in (3, 6):
         assert _files(tmp_path / "ram" / f"checkpoint-{step}") == _files(tmp_path / "all" / f"checkpoint-{step}")
-        assert _optimizer_files(tmp_path / "ram" / f"checkpoint-{step}") == _optimizer_files(
+        assert optimizer_files(tmp_path / "ram" / f"checkpoint-{step}") == optimizer_files(
             tmp_path / "all" / f"checkpoint-{step}")
     ram.save_model(str(tmp_path / "ram-final"))
     trainer.save_model(str(tmp_path / "all-final"))
@@ -232,7 +221,6 @@ def test_auto_puts_the_fewest_masters_on_disk_when_moments_on_disk_are_not_enoug
     """offload_state='auto': every unit's moments on disk and RAM still one byte short: the last units'
     masters go too (not all of them), and the run equals the in-RAM run bitwise. (With host_staging="auto"
     dropping the staging copy comes first: 2 B/param, and the masters on disk would need it.)"""
-    from megatrain_hf import attach
     from megatrain_hf.memory import disk, host
 
     (tmp_path / "disk").mkdir()

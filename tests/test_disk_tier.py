@@ -15,8 +15,8 @@ import subprocess
 
 import pytest
 import torch
+from helpers import LogRecorder, RandomTokens, optimizer_files, state_of, tiny_model, train, training_args
 
-from helpers import LogRecorder, RandomTokens, state_of, tiny_model, train, training_args
 from megatrain_hf import HostAdamW, MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.core.disk_io import RUN_DIR_PREFIX
 from megatrain_hf.optim import native
@@ -97,17 +97,6 @@ def test_lora_with_moments_on_disk_equals_the_in_ram_run(tmp_path):
     _assert_equal(state_of(ref), state_of(got))
 
 
-def _optimizer_files(checkpoint) -> dict[str, tuple]:
-    """Each shard's metadata and tensors' bytes (safetensors orders the metadata keys arbitrarily)."""
-    from safetensors import safe_open
-
-    folder, out = checkpoint / "megatrain_optimizer", {}
-    for name in sorted(os.listdir(folder)):
-        with safe_open(str(folder / name), framework="pt") as f:
-            out[name] = (f.metadata(), {k: f.get_tensor(k).numpy().tobytes() for k in f.keys()})
-    return out
-
-
 @pytest.mark.parametrize("mode", ["fp32", "8bit", "4bit"])
 def test_resume_with_moments_on_disk_equals_the_uninterrupted_in_ram_run(tmp_path, mode):
     """Checkpoints are written from the tier (the same bytes as the in-RAM run's, compressed or not); a fresh
@@ -117,8 +106,8 @@ def test_resume_with_moments_on_disk_equals_the_uninterrupted_in_ram_run(tmp_pat
     _, ref, ref_losses = _run(tmp_path, "ram", options=options, **args)
     _, _, losses = _run(tmp_path, "disk", tmp_path / "disk", options=options, **args)
     assert losses == ref_losses
-    shards = _optimizer_files(tmp_path / "disk" / "checkpoint-3")
-    assert _optimizer_files(tmp_path / "ram" / "checkpoint-3") == shards
+    shards = optimizer_files(tmp_path / "disk" / "checkpoint-3")
+    assert optimizer_files(tmp_path / "ram" / "checkpoint-3") == shards
     assert {meta["optimizer_state"] for meta, _ in shards.values()} == {mode}
     resumed = tiny_model("llama", seed=9)
     config = MegaTrainConfig(offload_dir=str(tmp_path / "disk"), offload_state="moments", **options)
@@ -128,7 +117,7 @@ def test_resume_with_moments_on_disk_equals_the_uninterrupted_in_ram_run(tmp_pat
     assert trainer.optimizer.optimizer._pager is not None
     assert resumed_losses == ref_losses[len(ref_losses) // 2:]
     _assert_equal(state_of(ref), state_of(resumed))
-    assert _optimizer_files(tmp_path / "ram" / "checkpoint-6") == _optimizer_files(tmp_path / "disk" / "checkpoint-6")
+    assert optimizer_files(tmp_path / "ram" / "checkpoint-6") == optimizer_files(tmp_path / "disk" / "checkpoint-6")
 
 
 @pytest.mark.parametrize("mode", ["fp32", "4bit"])
