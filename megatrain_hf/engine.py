@@ -27,6 +27,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import MegaTrainConfig
+from .core.grad_home import resolve_grad_dtype
 from .core.grads import MAX_PENDING_SENDS, GradSink
 from .core.layout import Kind
 from .core.offload import CheckpointOffload
@@ -77,10 +78,11 @@ class Engine:
                              "Fix: leave device_update off, or offload_dir unset.")
         moments = config.optimizer_state if config.replace_adamw else False
         self.sharding = sharding_from_env(len(named), config.data_parallel, config.collective_timeout_s)
+        grad_dtype = resolve_grad_dtype(config.grad_dtype, dtype, self.sharding is not None, config.device_update)
         staging, self.state_tier = admit_tiers(named, located.embedding_units, dtype, config.host_staging,
                                                moments, frozen_in_wire_dtype, config.offload_dir,
                                                config.offload_state, config.check_host_memory, quantize,
-                                               masters_allowed=self.sharding is None)
+                                               masters_allowed=self.sharding is None, grad_dtype=grad_dtype)
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
@@ -98,7 +100,7 @@ class Engine:
                                    sources=deferred.source if deferred is not None else None, quantize=quantize,
                                    ranges=deferred.ranges if deferred is not None else None,
                                    stored_quantized=deferred.quantized_source if deferred is not None else None,
-                                   sharding=self.sharding, slots=slots)
+                                   sharding=self.sharding, slots=slots, grad_dtype=grad_dtype)
         finally:
             if deferred is not None:
                 deferred.close()

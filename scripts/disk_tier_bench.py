@@ -4,6 +4,8 @@ Builds a Llama-shaped model from a config (random weights, fp32, CPU compute; ``
 compute through the staging copy, as on a GPU), attaches megatrain, runs ``--steps`` optimizer steps
 (forward + backward + HostAdamW update), and prints JSON:
 
+* ``peak_above_base_B_per_param`` / ``steps_peak_above_base_B_per_param``: the same peaks less the RSS of
+  the imports before the model existed (``base_rss_bytes``), per trainable parameter;
 * ``peak_rss_B_per_param``: the process's peak RSS (VmHWM, reset through /proc/self/clear_refs once the
   model is attached, so the peak of HF building the model in fp32 is not counted) per trainable parameter;
   ``steps_peak_rss_B_per_param``: the same, reset once the optimizer is built (with
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -35,6 +38,11 @@ from megatrain_hf import HostAdamW, MegaTrainConfig, attach
 def rss_peak_reset() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
+
+
+def rss_now() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def rss_peak() -> int:
@@ -52,6 +60,8 @@ def main() -> None:
                         help="with --offload-dir: the moments on disk, or the moments and the matrices' fp32 masters "
                              "(needs --bf16)")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute (the matrices stream their bf16 copy)")
+    parser.add_argument("--grad-dtype", default="fp32", choices=["fp32", "bf16"],
+                        help="the layers' matrices' gradient accumulators (MegaTrainConfig.grad_dtype; bf16 needs --bf16)")
     parser.add_argument("--window", type=int, default=None, help="RAM slots of the disk tier (default 4)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
@@ -72,10 +82,11 @@ def main() -> None:
                                       num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
                                       num_key_value_heads=args.hidden // 64, vocab_size=args.vocab,
                                       max_position_embeddings=args.seq)
+    base_rss = rss_now()  # the imports' (torch, transformers, megatrain) before the model exists
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    engine = attach(model, MegaTrainConfig(offload_dir=args.offload_dir, offload_state=args.offload_state),
-                    device="cpu", bf16=args.bf16)
+    engine = attach(model, MegaTrainConfig(offload_dir=args.offload_dir, offload_state=args.offload_state,
+                                           grad_dtype=args.grad_dtype), device="cpu", bf16=args.bf16)
     trainable = engine.store.trainable_numel()
     rss_peak_reset()
     opt = HostAdamW(model.parameters(), engine.store, lr=1e-4, offload_dir=args.offload_dir,
@@ -107,7 +118,8 @@ def main() -> None:
     bufs = engine.store.buffers
     ram = {"masters": sum(4 * (b.master_host.numel() if b.master_host is not None else 0) for b in bufs),
            "masters_tail": sum(4 * b.master_tail.numel() for b in bufs if b.master_tail is not None),
-           "grads": sum(4 * b.grad_host.numel() for b in bufs if b.grad_host is not None),
+           "grads": sum(4 * b.grad_host.numel() for b in bufs if b.grad_host is not None)
+           + sum(2 * b.grad_low.numel() for b in bufs if b.grad_low is not None),
            "staging": sum(b.staging_host.numel() * b.staging_host.element_size() for b in bufs
                           if b.staging_host is not None),
            "moments": sum(t.numel() * 4 for t in (*opt._exp_avg.values(), *opt._exp_avg_sq.values()))
@@ -117,7 +129,9 @@ def main() -> None:
         "offload_dir": args.offload_dir, "offload_state": args.offload_state if args.offload_dir else None,
         "compute": "bf16" if args.bf16 else "fp32", "optimizer_state": args.optimizer_state, "kernel": opt.kernel,
         "trainable_params": trainable, "peak_rss_bytes": peak, "peak_rss_B_per_param": peak / trainable,
-        "steps_peak_rss_B_per_param": steps_peak / trainable,
+        "steps_peak_rss_B_per_param": steps_peak / trainable, "grad_dtype": args.grad_dtype,
+        "base_rss_bytes": base_rss, "steps_peak_above_base_B_per_param": (steps_peak - base_rss) / trainable,
+        "peak_above_base_B_per_param": (peak - base_rss) / trainable,
         "ram_bytes": ram, "ram_B_per_param": {k: v / trainable for k, v in ram.items()},
         "update_elements_per_s": trainable / steps[-1]["update_s"],
         "o_direct": all(opt._pager.io.direct.values()) if opt._pager else None,

@@ -172,7 +172,7 @@ def test_offload_dir_missing_or_a_file_is_refused(tmp_path):
 
 def test_offload_dir_with_an_optimizer_that_is_not_adamw_is_refused(tmp_path):
     """The tier pages HostAdamW's moments: with SGD (its own state, in RAM) offload_dir would do nothing."""
-    with pytest.raises(ValueError, match=r"offload_dir='.*' applies to the moments of megatrain's HostAdamW, but "
+    with pytest.raises(ValueError, match=r"offload_dir='.*' applies to megatrain's HostAdamW, but "
                                          r"the optimizer is SGD\. Fix: train with AdamW"):
         train(tiny_model("llama"), training_args(tmp_path / "sgd", optim="sgd", max_steps=1),
               callbacks=[MegaTrainPlugin(offload_dir=str(tmp_path))])

@@ -46,6 +46,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "8bit", "4bit"], default="fp32",
                         help="format of the AdamW moments, in host RAM or with --offload-dir on disk "
                              "(optimizer_state; default fp32, 8 B/param; 8bit ~2 B/param, docs/optimizer-state.md)")
+    parser.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="the layers' matrices' gradient accumulators (grad_dtype; bf16: 2 B/param, exact at "
+                             "--grad-accum 1 with bf16 compute)")
     parser.add_argument("--sequence-tile-tokens", type=_tile_arg, default="auto", metavar="auto|none|N",
                         help="tokens per MLP tile (sequence_tile_tokens; default auto)")
     parser.add_argument("--checkpoint-interval", type=int, default=1, metavar="K",
@@ -95,6 +98,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
             optimizer_state=args.optimizer_state,
             sequence_tile_tokens=args.sequence_tile_tokens,
             checkpoint_interval=args.checkpoint_interval,
+            grad_dtype=args.grad_dtype,
         )
         ranks = plan_ranks(plan, args.world_size, args.nodes, host_staging=args.host_staging)
     except ValueError as exc:
@@ -116,6 +120,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
         host_staging=args.host_staging,
         offload_tokens=plan.seq_len * plan.micro_batch * plan.micro_batches_in_flight if args.offload_checkpoints else 0,
         optimizer_state=args.optimizer_state,
+        grad_dtype=args.grad_dtype,
     )
     fit = largest_model(available, base=shape, **options)
     preset = largest_preset(available, **options)
@@ -195,7 +200,8 @@ def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int) ->
                            compute_dtype=plan.compute_dtype, layer_major=args.layer_major,
                            chunked_loss=args.chunked_loss, host_staging=args.host_staging,
                            offload_checkpoints=args.offload_checkpoints, loss_chunk_tokens=args.loss_chunk_tokens,
-                           lora_rank=args.lora_rank, optimizer_state=plan.optimizer_state)
+                           lora_rank=args.lora_rank, optimizer_state=plan.optimizer_state,
+                           grad_dtype=plan.grad_dtype)
 
     layers, params = disk.deepest_with_tier(shape, ram_available, free, plan_of, masters=masters)
     return {

@@ -172,12 +172,14 @@ class GradSink:
                 self.store.grads_landed(u, {e.offset: g for e, g in merged})
                 return None
             for e, g in merged:
-                self.store.accumulate_grad(e, g)
+                self.store.accumulate_grad(e, g, self._name(u, e))
             self.store.grads_landed(u)  # data parallelism: summed into the owner's accumulator
             self.norms[u] = self._unit_norms(u) if want_norm else None
             return None
         fresh, added, replaced = [], [], False
         for e, g in merged:
+            if self.store.low_grad(e):  # a bf16 accumulator takes the step's one bf16 gradient only
+                self.store.check_single(e, g, self._name(u, e))
             if e.tensor.grad is None:  # the step's first contribution: straight into the accumulator
                 fresh.append((e, g))
             elif self.store.holds_grad(e):  # a later one: summed on the device
@@ -223,7 +225,7 @@ class GradSink:
     def _accumulate_hooked(self, e: Entry, g: torch.Tensor) -> None:
         """The synchronous host path of a parameter with tensor hooks (see module docstring)."""
         param = e.tensor
-        grad = g.detach().to("cpu", torch.float32).view(e.shape)
+        grad = g.detach().to("cpu", self.store.grad_region(e).dtype).view(e.shape)
         for hook in (param._backward_hooks or {}).values():
             result = hook(grad)
             if result is not None:
@@ -231,7 +233,7 @@ class GradSink:
         if param.grad is not None:
             self._wait_pending(0)  # an earlier send of this step may still be landing in the same region
         self._count(g)
-        self.store.accumulate_grad(e, grad)
+        self.store.accumulate_grad(e, grad, self._name(e.owner, e))
         for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
             hook(param)
 
@@ -256,12 +258,16 @@ class GradSink:
                     sums.append((e, part))
                 self.stats.h2d_bytes += acc.numel() * 4
                 self.stats.grad_stream_bytes += acc.numel() * 4
+            low = {}  # bf16 accumulators: the bf16 gradient itself goes down (the fp32 cast is for the norms)
             for e, g in fresh:
+                if store.low_grad(e):
+                    low[id(e)] = g.reshape(-1)
                 sums.append((e, g.reshape(-1).float()))  # the cast runs on the device for free
             for e, total in sums:
-                store.grad_region(e).copy_(total, non_blocking=True)
-                self.stats.d2h_bytes += e.numel * 4
-                self.stats.grad_stream_bytes += e.numel * 4
+                region = store.grad_region(e)
+                region.copy_(low.get(id(e), total), non_blocking=True)
+                self.stats.d2h_bytes += e.numel * region.element_size()
+                self.stats.grad_stream_bytes += e.numel * region.element_size()
             if device_norms:
                 norms = torch.stack(torch._foreach_norm([t for _, t in sums], 2))
                 norms_host = streams.pinned(norms.shape, torch.float32)
@@ -279,7 +285,7 @@ class GradSink:
                     self._accumulate_hooked(e, g)
                     continue
                 self._count(g)
-                self.store.accumulate_grad(e, g)
+                self.store.accumulate_grad(e, g, self._name(owner, e))
             self.store.grads_landed(owner)
             self.norms[owner] = None
 
@@ -337,7 +343,11 @@ class GradSink:
 
     def _unit_norms(self, u: int) -> tuple[tuple, list[torch.Tensor]]:
         present = [e.tensor.grad for e in self.store.owned_trainable(u) if e.tensor.grad is not None]
-        return self.grad_key(u), (list(torch._foreach_norm(present)) if present else [])
+        # dtype: bf16 gradients are cast to fp32 first (vector_norm's documented meaning), as an fp32 .grad
+        return self.grad_key(u), (list(torch._foreach_norm(present, 2, dtype=torch.float32)) if present else [])
+
+    def _name(self, u: int, e: Entry) -> str:
+        return f"{self.store.names[u]}.{e.name}"
 
     def global_norm(self) -> torch.Tensor:
         """L2 norm over all host gradients, like ``torch.nn.utils.clip_grad_norm_`` computes it.

@@ -165,13 +165,17 @@ def moment_bytes(sizes: UnitSizes, optimizer_state: str) -> int:
 
 
 def host_tiers(units: list[UnitSizes], compute_dtype: torch.dtype, *, staging: bool,
-               optimizer_state: bool | str = True) -> dict[str, int]:
+               optimizer_state: bool | str = True, grad_dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """Host bytes per tier of units laid out by :func:`lay_out`.
 
     ``staging``: whether the store keeps the compute-dtype copy (never for fp32 compute);
     ``optimizer_state``: HostAdamW's two moments per trainable element in that format (``"fp32"``,
-    ``"bf16"``, ``"8bit"``, ``"4bit"``; ``True``: fp32), or ``False``: not counted.
+    ``"bf16"``, ``"8bit"``, ``"4bit"``; ``True``: fp32), or ``False``: not counted;
+    ``grad_dtype``: the accumulators of the bf16-streamed part of every unit but the last (``grad_home.py``).
     """
+    from .grad_home import grad_bytes, low_precision_units
+
+    low = low_precision_units(len(units), grad_dtype)
     trainable = sum(s.n_train for s in units)
     staged = sum(s.n_staged for s in units) if staging and compute_dtype != torch.float32 else 0
     frozen = sum(n * dtype_bytes(d) for s in units for d, n in s.frozen.items())
@@ -179,7 +183,7 @@ def host_tiers(units: list[UnitSizes], compute_dtype: torch.dtype, *, staging: b
     moments = sum(moment_bytes(s, state) for s in units if s.n_train) if state else 0
     return {
         "master": 4 * trainable,
-        "grad": 4 * trainable,
+        "grad": sum(grad_bytes(s.n_train, s.n_staged, u in low) for u, s in enumerate(units)),
         "exp_avg": moments,
         "exp_avg_sq": moments,
         "staging": staged * dtype_bytes(compute_dtype),

@@ -3,7 +3,8 @@
 Each streamed unit (embedding, decoder layer, final norm, head) owns, laid out by ``layout.py``:
 
 * ``master_host``  -- one contiguous fp32 flat holding its trainable parameters,
-* ``grad_host``    -- the gradient accumulator of those parameters, laid out the same way,
+* ``grad_host``    -- the gradient accumulator of those parameters, laid out the same way (its
+  bf16 part ``grad_low`` with ``grad_dtype=torch.bfloat16``: ``grad_home.py``),
 * ``staging_host`` -- the compute-dtype copy of ``master_host[:n_staged]`` that crosses the link
   (absent for fp32 compute, or with ``staging=False``: the fp32 masters are sent and rounded on the
   device),
@@ -37,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from .grad_home import GradHome, low_precision_units
 from .layout import Entry, Kind
 from .quant import QuantWork, quantize_into, quantize_tensor
 from .readiness import UnitGates
@@ -68,7 +70,8 @@ class UnitBuffers:
     """The host flats of one unit (see module docstring)."""
 
     master_host: torch.Tensor | None = None  # fp32: [compute-dtype-wire params | fp32-wire params]
-    grad_host: torch.Tensor | None = None
+    grad_host: torch.Tensor | None = None  # fp32: the whole accumulator, or [n_staged:] when grad_low is set
+    grad_low: torch.Tensor | None = None  # bf16 accumulator of [:n_staged] (grad_dtype=torch.bfloat16)
     staging_host: torch.Tensor | None = None  # compute-dtype copy of master_host[:n_staged]
     n_staged: int = 0
     frozen_host: dict = field(default_factory=dict)  # storage dtype -> flat
@@ -89,7 +92,7 @@ def unfrozen_error(unit_name: str, entry_name: str) -> ValueError:
     )
 
 
-class HostStore:
+class HostStore(GradHome):
     """Allocates the per-unit flats and re-points the model's tensors into them.
 
     ``units`` is a list of ``(unit_name, module)``; ``embedding_units`` the indices whose weights
@@ -115,12 +118,15 @@ class HostStore:
         stored_quantized: Callable[[torch.Tensor], Callable | None] | None = None,
         sharding=None,
         slots: tuple[int, int] = (1, 1),
+        grad_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.sharding = sharding  # core.sharding.UnitSharding under data parallelism, else None
         self.compute_dtype = compute_dtype
         self.frozen_in_wire_dtype = frozen_in_wire_dtype
         self.staging = staging and compute_dtype != torch.float32
         self.pin = pin
+        self.grad_dtype = grad_dtype
+        self.low_grad_units = low_precision_units(len(units), grad_dtype)
         self.names = [name for name, _ in units]
         self.buffers: list[UnitBuffers] = []
         self._registered: list[torch.Tensor] = []
@@ -183,9 +189,8 @@ class HostStore:
                 self._slots.lay_out(u, bufs, sizes)
             elif sizes.n_train:
                 bufs.master_host = self.allocate(sizes.n_train, torch.float32)
-                bufs.grad_host = self.allocate(sizes.n_train, torch.float32)
-                bufs.grad_host.zero_()
                 bufs.n_staged = sizes.n_staged
+                self._allocate_grads(u, bufs, sizes.n_train, sizes.n_staged)
                 if self.staging and bufs.n_staged:
                     bufs.staging_host = self.allocate(bufs.n_staged, self.compute_dtype)
             for dtype, n in sizes.frozen.items():
@@ -220,6 +225,7 @@ class HostStore:
                         fill(region)
                 e.tensor.data = alias(flat, e.offset, e.shape)
             self.buffers.append(bufs)
+        self.mark_grad_dtypes()
         logger.info(
             "host store: %d units, %.3f GiB of fp32 masters, %.3f GiB host buffers in all, pinned=%s",
             len(self.entries), self.trainable_numel() * 4 / 2**30, self.host_bytes() / 2**30, self.pin,
@@ -237,7 +243,7 @@ class HostStore:
         total = self._slots.nbytes() if self._slots is not None else 0
         for u, b in enumerate(self.buffers):
             tensors = (*b.frozen_host.values(),) if u in self.remote else (
-                b.master_host, b.master_tail, b.grad_host, b.staging_host, *b.frozen_host.values())
+                b.master_host, b.master_tail, b.grad_host, b.grad_low, b.staging_host, *b.frozen_host.values())
             for t in tensors:
                 if t is not None:
                     total += t.numel() * t.element_size()
@@ -355,36 +361,6 @@ class HostStore:
             return bufs.master_host[: bufs.n_staged], 0
         return bufs.master_tail if bufs.master_paged is not None else bufs.master_host[bufs.n_staged :], bufs.n_staged
 
-    # ------------------------------------------------------------------ gradients
-    def grad_region(self, e: Entry) -> torch.Tensor:
-        """Entry ``e``'s slice of its owner's fp32 gradient accumulator (flat)."""
-        return self.buffers[e.owner].grad_host[e.offset : e.offset + e.numel]
-
-    def holds_grad(self, e: Entry) -> bool:
-        """Whether ``e``'s ``.grad`` is its accumulator region (not None, not a tensor the user set)."""
-        grad = e.tensor.grad
-        return grad is not None and grad.data_ptr() == self.grad_region(e).data_ptr()
-
-    def accumulate_grad(self, entry: Entry, grad: torch.Tensor) -> None:
-        """Add ``grad`` (any device/dtype) into the fp32 host accumulator of ``entry``.
-
-        The parameter's ``.grad`` is a view of the accumulator; ``zero_grad(set_to_none=True)``
-        drops that view, and the next accumulation starts the region afresh.
-        """
-        param = entry.tensor
-        region = self.grad_region(entry)
-        grad_host = grad.detach().reshape(-1)
-        if grad_host.device.type != "cpu":
-            grad_host = grad_host.to("cpu")
-        # copy_/add_ convert a bf16 gradient to fp32 on the fly (no temporary fp32 copy)
-        if param.grad is None:
-            region.copy_(grad_host)
-            param.grad = region.view(entry.shape)
-        elif param.grad.data_ptr() == region.data_ptr():
-            region.add_(grad_host)
-        else:  # the user replaced .grad with a tensor of their own
-            param.grad.add_(grad.detach().to(param.grad.device, param.grad.dtype).view(entry.shape))
-
     # ------------------------------------------------------------------ teardown
     def free(self, flat: torch.Tensor) -> None:
         """Unpin a flat from :meth:`allocate` that nothing uses any more (its memory goes back to malloc)."""
@@ -396,5 +372,6 @@ class HostStore:
 
     def release(self) -> None:
         """Unpin the flats. The parameters keep aliasing them (they stay valid host memory)."""
+        self.restore_grad_dtypes()
         _unregister(self._registered)
 

@@ -86,7 +86,7 @@ def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
 def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
                 host_staging: bool | str, optimizer_state: bool | str, frozen_in_wire_dtype: bool,
                 offload_dir: str | None, offload_state: str, check_ram: bool, quantize=None,
-                masters_allowed: bool = True) -> tuple[bool, DiskTier]:
+                masters_allowed: bool = True, grad_dtype: torch.dtype = torch.float32) -> tuple[bool, DiskTier]:
     """The engine's admission with the disk tier: (keep the staging copy, the state's placement).
 
     ``offload_state="auto"``: the moments stay in RAM when the plan fits there, else the fewest units'
@@ -112,7 +112,7 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
         if not check_ram:
             return staging is not False and staging_default
         return host_memory.admit(units, embedding_units, compute_dtype, staging, moments,
-                                 frozen_in_wire_dtype, quantize, extra=extra)
+                                 frozen_in_wire_dtype, quantize, extra=extra, grad_dtype=grad_dtype)
 
     if offload_dir is None or optimizer_state is False:
         return ram(optimizer_state), DiskTier(False)

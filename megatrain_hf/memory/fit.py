@@ -51,9 +51,10 @@ class ModelFit:
 
 
 def _host_total(shape: ModelShape, compute_dtype: str, lora_rank: int | None, host_staging: bool = True,
-                offload_tokens: int = 0, base_quantization: str = "none", optimizer_state: str = "fp32") -> int:
+                offload_tokens: int = 0, base_quantization: str = "none", optimizer_state: str = "fp32",
+                grad_dtype: str = "fp32") -> int:
     tiers = _host_tiers(_layout(shape, lora_rank, LORA_TARGETS, base_quantization), _DTYPE_BY_NAME[compute_dtype],
-                        host_staging, optimizer_state)
+                        host_staging, optimizer_state, _DTYPE_BY_NAME[grad_dtype])
     return sum(tiers.values()) + checkpoint_bytes(offload_tokens, shape.hidden, shape.layers)
 
 
@@ -68,6 +69,7 @@ def largest_model(
     offload_tokens: int = 0,
     base_quantization: str = "none",
     optimizer_state: str = "fp32",
+    grad_dtype: str = "fp32",
 ) -> ModelFit:
     """The largest depth and the largest width of ``base`` whose host plan fits ``available_bytes``.
 
@@ -90,7 +92,7 @@ def largest_model(
 
     def total(shape: ModelShape) -> int:
         return _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens, base_quantization,
-                           optimizer_state)
+                           optimizer_state, grad_dtype)
 
     one, two = (total(base.with_layers(n)) for n in (1, 2))
     per_layer = two - one
@@ -148,6 +150,7 @@ def largest_preset(
     offload_tokens: int = 0,
     base_quantization: str = "none",
     optimizer_state: str = "fp32",
+    grad_dtype: str = "fp32",
 ) -> str | None:
     """Name of the real-size preset with the most parameters whose host plan fits, or ``None``
     (the test preset ``tiny`` is not considered); options as in :func:`largest_model`."""
@@ -156,7 +159,7 @@ def largest_preset(
         for name, shape in PRESETS.items()
         if name != "tiny"
         and _host_total(shape, compute_dtype, lora_rank, host_staging, offload_tokens, base_quantization,
-                        optimizer_state) + headroom_bytes
+                        optimizer_state, grad_dtype) + headroom_bytes
         <= available_bytes
     ]
     return max(fitting)[1] if fitting else None

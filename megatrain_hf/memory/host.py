@@ -26,7 +26,7 @@ loader and the OS page cache need some."""
 
 TIER_LABELS = {
     "master": "fp32 master weights",
-    "grad": "fp32 gradient accumulators",
+    "grad": "gradient accumulators",
     "exp_avg": "AdamW exp_avg (fp32)",
     "exp_avg_sq": "AdamW exp_avg_sq (fp32)",
     "staging": "compute-dtype staging copies",
@@ -61,6 +61,7 @@ def host_breakdown_for_units(
     optimizer_state: bool | str = True,
     frozen_in_wire_dtype: bool = True,
     quantize=None,
+    grad_dtype: torch.dtype = torch.float32,
 ) -> dict[str, int]:
     """Exact host bytes per tier for real modules, walked the way ``HostStore`` walks them.
 
@@ -69,11 +70,12 @@ def host_breakdown_for_units(
     the ``optimizer_state`` format's name), False: not;
     ``frozen_in_wire_dtype``: frozen weights in the wire dtype, else in fp32 (``HostStore``'s). Tied
     parameters (one tensor in two units) are counted once, frozen ones in their wire dtype only;
-    ``quantize(param)``: the scheme a frozen weight is stored in (``HostStore``'s), None: as is.
+    ``quantize(param)``: the scheme a frozen weight is stored in (``HostStore``'s), None: as is;
+    ``grad_dtype``: ``HostStore``'s (its bf16 accumulators, ``core/grad_home.py``).
     """
     sizes = unit_sizes(units, compute_dtype=compute_dtype, embedding_units=embedding_units,
                        frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize)
-    return host_tiers(sizes, compute_dtype, staging=staging, optimizer_state=optimizer_state)
+    return host_tiers(sizes, compute_dtype, staging=staging, optimizer_state=optimizer_state, grad_dtype=grad_dtype)
 
 
 def unit_sizes(units: list[tuple[str, torch.nn.Module]], *, compute_dtype: torch.dtype,
@@ -151,7 +153,7 @@ def check_host_memory(
 
 def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
           host_staging: bool | str, optimizer_state: bool | str, frozen_in_wire_dtype: bool = True,
-          quantize=None, extra: dict[str, int] | None = None) -> bool:
+          quantize=None, extra: dict[str, int] | None = None, grad_dtype: torch.dtype = torch.float32) -> bool:
     """Raise with the arithmetic before allocating, rather than meet the OOM killer later.
 
     Returns whether to keep the host staging copy: with ``host_staging="auto"`` it is dropped when
@@ -166,7 +168,8 @@ def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[i
     def check(staging: bool) -> None:
         breakdown = host_breakdown_for_units(units, compute_dtype=compute_dtype, staging=staging,
                                              embedding_units=embedding_units, optimizer_state=optimizer_state,
-                                             frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize) | (extra or {})
+                                             frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize,
+                                             grad_dtype=grad_dtype) | (extra or {})
         check_host_memory(sum(breakdown.values()), breakdown, available=available)
 
     if host_staging is False:

@@ -97,10 +97,10 @@ def _wire_bytes(unit: _UnitLayout, compute_dtype: torch.dtype) -> int:
 
 
 def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_staging: bool = True,
-                optimizer_state: str = "fp32") -> dict[str, int]:
+                optimizer_state: str = "fp32", grad_dtype: torch.dtype = torch.float32) -> dict[str, int]:
     """Host bytes per tier; without ``host_staging`` the fp32 masters are sent and rounded on the device;
     ``optimizer_state``: the moments' format (docs/optimizer-state.md)."""
     return host_tiers([lay_out(u.specs(compute_dtype)) for u in units], compute_dtype, staging=host_staging,
-                      optimizer_state=optimizer_state)
+                      optimizer_state=optimizer_state, grad_dtype=grad_dtype)
 
 

@@ -60,6 +60,19 @@ class MemoryOptions:
     floor: if that does not fit, reduce the micro-batch or the sequence length, or set
     `offload_checkpoints=True`."""
 
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype of the host gradient accumulators of the weights streamed in bf16 (the decoder layers'
+    matrices): `"fp32"` (4 B/param) or `"bf16"` (2 B/param, and half the gradient bytes down the link).
+    `"bf16"` is exact -- every update and every loss bitwise the fp32 accumulators' -- because with
+    bf16 compute each such gradient is a bf16 tensor computed once per optimizer step; it therefore
+    needs `compute_dtype="bf16"`, `gradient_accumulation_steps=1`, megatrain's HostAdamW, one process
+    (no data parallelism), no `device_update`, and torch's `Tensor.grad_dtype` (torch >= 2.10):
+    `param.grad` of those weights is a bf16 tensor. Embeddings, norms, biases, LoRA matrices and the
+    head keep fp32 accumulators. A second gradient of one weight in a step (a module called twice in
+    one forward), or an fp32 one (e.g. experts computed in fp32), raises with the fix: `"fp32"`.
+    Clipping is always applied inside the update then (a callback sees the gradients unclipped: a
+    clipped bf16 gradient would be rounded)."""
+
     offload_checkpoints: bool | Literal["auto"] = "auto"
     """Keep each layer's activation checkpoint (its fp32 input, `tokens x hidden x 4` bytes) in
     pinned host memory between forward and backward instead of on the GPU: copied down while the

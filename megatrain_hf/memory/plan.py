@@ -68,7 +68,8 @@ class MemoryPlan:
     host_master: int
     """fp32 master weights: 4 B per trainable parameter."""
     host_grad: int
-    """fp32 gradient accumulators: 4 B per trainable parameter."""
+    """Gradient accumulators: 4 B per trainable parameter (2 B for the layers' matrices with
+    ``grad_dtype="bf16"``)."""
     host_exp_avg: int
     """AdamW first moment: 4 B per trainable parameter in fp32 (bf16 2, 8bit ~1.02, 4bit ~0.53)."""
     host_exp_avg_sq: int
@@ -114,6 +115,8 @@ class MemoryPlan:
     dtype (the resident unit's flat), plus the fp32 values and int32 codes of one dequantization chunk."""
     optimizer_state: str = "fp32"
     """Format of the AdamW moments planned (``MegaTrainConfig.optimizer_state``)."""
+    grad_dtype: str = "fp32"
+    """The gradient accumulators' dtype planned (``MegaTrainConfig.grad_dtype``)."""
 
     # -------------------------------------------------------------- totals
     @property
@@ -197,6 +200,7 @@ class MemoryPlan:
         labels["staging"] = f"{self.compute_dtype} staging copies (matrices)"
         for key in ("exp_avg", "exp_avg_sq"):
             labels[key] = f"AdamW {key} ({self.optimizer_state})"
+        labels["grad"] = "gradient accumulators" + (" (bf16 matrices)" if self.grad_dtype == "bf16" else " (fp32)")
         for key, value in self.host_breakdown().items():
             lines.append(f"  {labels[key]:<{w - 2}}{gib(value):>9}{value / per:>9.2f}")
         lines.append(f"  {'total':<{w - 2}}{gib(self.host_total):>9}{self.host_total / per:>9.2f}")
@@ -240,6 +244,7 @@ def plan_memory(
     optimizer_state: str = "fp32",
     sequence_tile_tokens: int | str | None = "auto",
     checkpoint_interval: int = 1,
+    grad_dtype: str = "fp32",
 ) -> MemoryPlan:
     """Plan the host tiers (exact) and the GPU items (estimate) of training ``shape``.
 
@@ -254,7 +259,9 @@ def plan_memory(
     quantized (needs ``lora_rank``), as ``MegaTrainConfig(base_quantization=...)``.
     ``optimizer_state``: the AdamW moments' format, ``"fp32"``, ``"bf16"``, ``"8bit"`` or ``"4bit"``.
     in flight (the one going down, the one coming back up). ``sequence_tile_tokens`` and
-    ``checkpoint_interval``: the options of the same names (``activations.py``).
+    ``checkpoint_interval``: the options of the same names (``activations.py``). ``grad_dtype``:
+    ``"fp32"`` or ``"bf16"`` (``MegaTrainConfig.grad_dtype``: the layers' matrices' accumulators in bf16;
+    needs bf16 compute and ``grad_accum=1``).
     """
     _check_int("seq_len", seq_len)
     _check_int("micro_batch", micro_batch)
@@ -284,7 +291,13 @@ def plan_memory(
     units = _layout(shape, lora_rank, lora_targets, base_quantization)
     if optimizer_state not in MOMENT_FORMATS:
         raise ValueError(f"optimizer_state={optimizer_state!r} is not known; allowed: {list(MOMENT_FORMATS)}.")
-    tiers = _host_tiers(units, dtype, host_staging, optimizer_state)
+    if grad_dtype not in ("fp32", "bf16"):
+        raise ValueError(f"grad_dtype={grad_dtype!r} is not known; allowed: 'fp32', 'bf16'.")
+    if grad_dtype == "bf16" and (cbytes != 2 or grad_accum != 1):
+        raise ValueError(f"grad_dtype='bf16' keeps one bf16 gradient per weight and step; it needs bf16 compute and "
+                         f"grad_accum=1 (here {dtype_name}, grad_accum={grad_accum}). Fix: grad_dtype='fp32'.")
+    tiers = _host_tiers(units, dtype, host_staging, optimizer_state,
+                        torch.bfloat16 if grad_dtype == "bf16" else torch.float32)
 
     trainable = sum(t.numel for u in units for t in u.tensors if t.trainable)
     frozen = sum(t.numel for u in units for t in u.tensors if not t.trainable)
@@ -345,6 +358,7 @@ def plan_memory(
         gpu_dequant=max(sum(t.numel for t in u.tensors if t.quant) for u in distinct) * cbytes
         + (DEQUANT_TEMP_BYTES * DEQUANT_CHUNK_ELEMENTS if base_quantization != "none" else 0),
         optimizer_state=optimizer_state,
+        grad_dtype=grad_dtype,
     )
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,
                  plan.gpu_total / GiB)

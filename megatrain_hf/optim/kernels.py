@@ -66,10 +66,12 @@ def torch_update(w: GroupWork) -> None:
         exp_avgs = [s.expand(w.fmt, 0).view(p.shape) for s, p in zip(w.compressed, w.params)]
         exp_avg_sqs = [s.expand(w.fmt, 1).view(p.shape) for s, p in zip(w.compressed, w.params)]
     torch._foreach_add_(w.steps, 1)
+    # bf16 gradients (grad_dtype="bf16") are widened first (exact): an fp32 copy of the group
+    grads = [g if g.dtype == torch.float32 else g.float() for g in w.grads]
     if w.clip is not None:
-        torch._foreach_mul_(w.grads, w.clip.to(w.grads[0].device))  # exactly clip_grad_norm_'s multiply
+        torch._foreach_mul_(grads, w.clip.to(grads[0].device))  # exactly clip_grad_norm_'s multiply
     torch._fused_adamw_(
-        w.params, w.grads, exp_avgs, exp_avg_sqs, [], w.steps, amsgrad=False, lr=w.lr, beta1=w.beta1,
+        w.params, grads, exp_avgs, exp_avg_sqs, [], w.steps, amsgrad=False, lr=w.lr, beta1=w.beta1,
         beta2=w.beta2, weight_decay=w.weight_decay, eps=w.eps, maximize=w.maximize, grad_scale=None,
         found_inf=None,
     )

@@ -83,12 +83,13 @@ def host_adamw() -> ctypes.CDLL | None:
         return None
     fn = lib.megatrain_adamw
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int64, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, ctypes.POINTER(ctypes.c_int64)] + [_FLOATS] * 7 + [
+    fn.argtypes = [ctypes.c_int64, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, ctypes.POINTER(ctypes.c_int64)] + [
+        _FLOATS] * 7 + [
         ctypes.c_float, ctypes.c_int, ctypes.c_int,
     ]
     fn = lib.megatrain_adamw_compressed
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int64, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, ctypes.POINTER(ctypes.c_int64)] + [
+    fn.argtypes = [ctypes.c_int64, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, ctypes.POINTER(ctypes.c_int64)] + [
         _FLOATS] * 7 + [ctypes.c_int, ctypes.c_int64] + [_FLOATS] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
@@ -105,11 +106,12 @@ def adamw(
     maximize: bool,
     threads: int,
 ) -> None:
-    """One AdamW step over contiguous fp32 tensors (``scalars``: per-tensor hyper-parameters, see the C++)."""
-    _check_cpu(params, grads, exp_avgs, exp_avg_sqs, dtype=torch.float32)
+    """One AdamW step over contiguous fp32 tensors (``scalars``: per-tensor hyper-parameters, see the C++;
+    a gradient may be bf16)."""
+    _check_cpu(params, exp_avgs, exp_avg_sqs, dtype=torch.float32)
     n = len(params)
     status = lib.megatrain_adamw(
-        n, _ptrs(params), _ptrs(grads), _ptrs(exp_avgs), _ptrs(exp_avg_sqs), _ptrs(stages),
+        n, *_grad_ptrs(grads, params), _ptrs(exp_avgs), _ptrs(exp_avg_sqs), _ptrs(stages),
         (ctypes.c_int64 * n)(*[t.numel() for t in params]), *_hyper(scalars, n), float(clip), int(maximize),
         int(threads),
     )
@@ -124,6 +126,15 @@ def _check_cpu(*groups: list[torch.Tensor], dtype: torch.dtype | None) -> None:
         for t in group:
             if (dtype is not None and t.dtype != dtype) or not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"native AdamW needs contiguous {dtype or ''} CPU tensors, got {t.dtype} {t.device}")
+
+
+def _grad_ptrs(grads: list[torch.Tensor], params: list[torch.Tensor]):
+    """(params, fp32 gradients, bf16 gradients): each gradient in the array of its dtype, None in the other."""
+    _check_cpu(grads, dtype=None)
+    if any(g.dtype not in (torch.float32, torch.bfloat16) for g in grads):
+        raise ValueError(f"native AdamW takes fp32 or bf16 gradients, got {sorted({str(g.dtype) for g in grads})}")
+    return (_ptrs(params), _ptrs([g if g.dtype == torch.float32 else None for g in grads]),
+            _ptrs([g if g.dtype == torch.bfloat16 else None for g in grads]))
 
 
 def _ptrs(tensors):
@@ -153,7 +164,7 @@ def adamw_compressed(
 ) -> None:
     """One AdamW step with compressed moments (``fmt``: a ``quant.Format``), dequantize -> update ->
     requantize per block in one pass (``megatrain_adamw_compressed`` in the C++)."""
-    _check_cpu(params, grads, dtype=torch.float32)
+    _check_cpu(params, dtype=torch.float32)
     _check_cpu(*codes, dtype=None)
     n = len(params)
     if fmt.quantized:
@@ -161,7 +172,7 @@ def adamw_compressed(
     else:
         tables = [torch.zeros(1)] * 4  # not read
     status = lib.megatrain_adamw_compressed(
-        n, _ptrs(params), _ptrs(grads), _ptrs(codes[0]), _ptrs(scales[0]), _ptrs(codes[1]), _ptrs(scales[1]),
+        n, *_grad_ptrs(grads, params), _ptrs(codes[0]), _ptrs(scales[0]), _ptrs(codes[1]), _ptrs(scales[1]),
         _ptrs(stages), (ctypes.c_int64 * n)(*[t.numel() for t in params]), *_hyper(scalars, n), int(fmt.bits),
         int(fmt.block), *[_floats(t) for t in tables], float(clip), int(maximize), int(threads),
     )

@@ -78,6 +78,8 @@ def _check_compressible(config, optimizer: torch.optim.Optimizer, kept: bool) ->
     wants = [f"optimizer_state={state!r}"] if state != "fp32" else []
     if config.offload_dir is not None:
         wants.append(f"offload_dir={config.offload_dir!r}")
+    if config.grad_dtype != "fp32":
+        wants.append(f"grad_dtype={config.grad_dtype!r}")
     if not wants:
         return
     if not convertible(optimizer) or not config.replace_adamw or kept:
@@ -85,7 +87,7 @@ def _check_compressible(config, optimizer: torch.optim.Optimizer, kept: bool) ->
                "replace_adamw=False keeps torch's AdamW" if not config.replace_adamw else
                "an optimizer passed with its scheduler in Trainer(optimizers=(opt, sched)) is kept as it is")
         raise ValueError(
-            f"megatrain: {' and '.join(wants)} applies to the moments of megatrain's HostAdamW, but {why}. "
+            f"megatrain: {' and '.join(wants)} applies to megatrain's HostAdamW, but {why}. "
             "Fix: train with AdamW (optim='adamw_torch_fused', the default, or 'adamw_torch'; no scheduler in "
             "optimizers=) and replace_adamw=True, or leave " + " and ".join(w.split("=")[0] for w in wants)
             + " at its default."
@@ -211,7 +213,8 @@ def _install_accelerator(patcher: Patcher, plugin, trainer) -> None:
         if math.isinf(float(max_norm)):  # Trainer only measures the norm (max_grad_norm=0)
             return norm
         coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ computes it
-        if plugin.observers(trainer, "on_pre_optimizer_step", "on_optimizer_step"):
+        if engine.store.grad_dtype == torch.float32 and plugin.observers(trainer, "on_pre_optimizer_step",
+                                                                          "on_optimizer_step"):
             plugin.log_once(logging.INFO, "megatrain: a callback observes the gradients before/after the optimizer "
                             "step: clipping is applied to them at once instead of inside the background update")
             store = engine.store

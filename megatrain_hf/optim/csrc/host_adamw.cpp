@@ -214,6 +214,36 @@ void update_compressed(const QTensor& q, const Format& f, int64_t begin, int64_t
   }
 }
 
+// bf16 gradients (MegaTrainConfig(grad_dtype="bf16")): a work item's range [a, b) of the gradient is
+// widened to fp32 in the thread's scratch first (exact), and the update runs on a view of the
+// tensor that starts at a. `a` is a multiple of the block for compressed moments.
+inline const float* widen(const uint16_t* g16, int64_t a, int64_t b, std::vector<float>& scratch) {
+  scratch.resize(static_cast<size_t>(b - a));
+  for (int64_t i = a; i < b; ++i) scratch[i - a] = bf16_to_float(g16[i]);
+  return scratch.data();
+}
+
+inline Tensor view_from(const Tensor& t, int64_t a, const float* grad) {
+  Tensor v = t;
+  v.param += a;
+  v.grad = grad;
+  if (v.exp_avg) v.exp_avg += a;
+  if (v.exp_avg_sq) v.exp_avg_sq += a;
+  if (v.stage) v.stage += a;
+  v.size -= a;
+  return v;
+}
+
+inline QTensor view_from(const QTensor& q, const Format& f, int64_t a, const float* grad) {
+  QTensor v{view_from(q.t, a, grad), {q.codes[0], q.codes[1]}, {q.scales[0], q.scales[1]}};
+  const int64_t code_bytes = f.bits == 16 ? 2 * a : f.bits == 8 ? a : a / 2;
+  for (int k = 0; k < 2; ++k) {
+    v.codes[k] = static_cast<uint8_t*>(q.codes[k]) + code_bytes;
+    if (f.bits != 16) v.scales[k] = q.scales[k] + a / f.block;
+  }
+  return v;
+}
+
 }  // namespace
 
 extern "C" {
@@ -224,7 +254,9 @@ extern "C" {
 // other thread up at the end as a static split would. Elements are independent: how the work is
 // cut does not change any result. Returns 0, or -1 if a thread could not be started (the threads
 // that did start, and the calling one, then do all the chunks).
-int megatrain_adamw(int64_t n, float** params, const float** grads, float** exp_avgs, float** exp_avg_sqs,
+// grads16[k] (or null): tensor k's gradient is bf16 there (grads[k] is then unused).
+int megatrain_adamw(int64_t n, float** params, const float** grads, const uint16_t** grads16, float** exp_avgs,
+                    float** exp_avg_sqs,
                     uint16_t** stages, const int64_t* sizes, const float* decay, const float* lerp,
                     const float* beta2, const float* sq_coef, const float* bc2_sqrt, const float* eps,
                     const float* neg_step_size, float clip, int maximize, int threads) {
@@ -240,12 +272,19 @@ int megatrain_adamw(int64_t n, float** params, const float** grads, float** exp_
   constexpr int64_t kChunk = 1 << 18;  // 1 MiB of each fp32 array: long streams, many chunks per thread
   const int64_t chunks = (total + kChunk - 1) / kChunk;
   return run_parallel(chunks, threads, [&](int64_t c) {
+    thread_local std::vector<float> scratch;
     const int64_t lo = c * kChunk, hi = std::min(total, lo + kChunk);
     // the first tensor that ends after lo
     int64_t k = std::upper_bound(starts.begin(), starts.end(), lo) - starts.begin() - 1;
     for (; k < n && starts[k] < hi; ++k) {
       const int64_t a = std::max(lo, starts[k]), b = std::min(hi, starts[k + 1]);
-      if (a < b) update(ts[k], a - starts[k], b - starts[k], clip, maximize != 0);
+      if (a >= b) continue;
+      if (grads16[k]) {
+        const Tensor v = view_from(ts[k], a - starts[k], widen(grads16[k], a - starts[k], b - starts[k], scratch));
+        update(v, 0, b - a, clip, maximize != 0);
+      } else {
+        update(ts[k], a - starts[k], b - starts[k], clip, maximize != 0);
+      }
     }
   });
 }
@@ -253,7 +292,8 @@ int megatrain_adamw(int64_t n, float** params, const float** grads, float** exp_
 // The same update with compressed moments (see update_compressed): m_codes / v_codes point at each
 // tensor's codes (bf16 arrays for bits 16), m_scales / v_scales at its block scales. Work items
 // are chunks of whole blocks of one tensor. Returns as megatrain_adamw, or -2 for a bad format.
-int megatrain_adamw_compressed(int64_t n, float** params, const float** grads, void** m_codes, float** m_scales,
+int megatrain_adamw_compressed(int64_t n, float** params, const float** grads, const uint16_t** grads16,
+                               void** m_codes, float** m_scales,
                                void** v_codes, float** v_scales, uint16_t** stages, const int64_t* sizes,
                                const float* decay, const float* lerp, const float* beta2, const float* sq_coef,
                                const float* bc2_sqrt, const float* eps, const float* neg_step_size, int bits,
@@ -274,8 +314,14 @@ int megatrain_adamw_compressed(int64_t n, float** params, const float** grads, v
   }
   const float scale = maximize ? clip * -1.0f : clip;
   return run_parallel(static_cast<int64_t>(items.size()), threads, [&](int64_t c) {
+    thread_local std::vector<float> scratch;
     const Item& it = items[c];
-    update_compressed(qs[it.k], f, it.begin, it.end, scale);
+    if (grads16[it.k]) {
+      const float* g = widen(grads16[it.k], it.begin, it.end, scratch);
+      update_compressed(view_from(qs[it.k], f, it.begin, g), f, 0, it.end - it.begin, scale);
+    } else {
+      update_compressed(qs[it.k], f, it.begin, it.end, scale);
+    }
   });
 }
 
