@@ -61,6 +61,15 @@
 #   state-3b              the update's cost per optimizer_state: 3.14 B at 16K tokens/step (seq 4096 x mb 4 x
 #                         ga 1, the step waits for the update), 3 warm-up + 4 measured, megatrain with fp32,
 #                         8bit and 4bit moments in RAM (three bench invocations); ~85 s each ~270 s
+#   grad-3b               bf16 gradient accumulators (grad_dtype): 3.14 B at 16K tokens/step as state-3b (ga 1:
+#                         the one case where they are exact), megatrain with grad_dtype fp32 and bf16, fp32
+#                         moments (two bench invocations); not measured before: ~85 s each       ~180 s
+#   disk-13b-ga1          the Llama-2-13B shape, all 40 layers, at 64K tokens/step in one micro-batch (seq 4096 x
+#                         mb 16 x ga 1) with the bf16 staging copy, bf16 gradient accumulators and 8-bit moments on
+#                         disk (offload_dir=DISK_DIR): `megatrain estimate --model llama-13b --seq-len 4096
+#                         --micro-batch 16 --grad-dtype bf16 --optimizer-state 8bit --offload-dir D --offload-state
+#                         moments` plans 99.7 GiB of RAM + 24.6 GiB on disk, 73.6 GiB of GPU; 1 warm-up + 1
+#                         measured; not measured before: ~110 s build + 3 x ~60 s/step           ~330 s
 #   dp-7b                 data parallelism (docs/distributed.md), on a machine with >= 2 GPUs (nvidia-h200-x2):
 #                         7 B (Llama-2 shape) at the same tokens per GPU (seq 4096 x mb 2 x ga 4, 32K per GPU
 #                         and step), 4 steps, scripts/gpu_train.py under torchrun on 1 and on 2 GPUs; not
@@ -113,9 +122,9 @@ ARGS[qlora-70b]="--model llama-70b --seq-len 2048 --micro-batch 1 --grad-accum 2
 CONFIG_QLORA='{"max_gpu_memory": "24GiB"}'
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
 S3B="--model llama-3.14b --seq-len 4096 --micro-batch 4 --grad-accum 1 --warmup-steps 3 --steps 4 --systems megatrain --timeout 170"
-EST=([quality]=150 [state-3b]=270 [tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
+EST=([quality]=150 [state-3b]=270 [grad-3b]=180 [disk-13b-ga1]=330 [tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
      [1.36b]=115 [7b]=165 [soak]=330 [qlora-70b]=450 [probe]=20 [disk-13b]=350 [dp-7b]=300 [longctx]=450 [longctx-more]=400)
-ORDER="quality state-3b tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak qlora-70b probe disk-13b dp-7b longctx longctx-more"
+ORDER="quality state-3b grad-3b disk-13b-ga1 tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak qlora-70b probe disk-13b dp-7b longctx longctx-more"
 D13="--model llama-13b --seq-len 4096 --micro-batch 1 --grad-accum 16"
 DP7B="--system megatrain --hidden 4096 --intermediate 11008 --layers 32 --heads 32 --seq 4096 --micro-batch 2 --grad-accum 4 --steps 4"
 
@@ -227,6 +236,16 @@ for stage in "${stages[@]}"; do
       for mode in fp32 8bit 4bit; do
         bench_stage "state-3b-$mode" "$S3B --dtype bf16 --device cuda" "{\"optimizer_state\": \"$mode\"}"
       done;;
+    grad-3b)
+      for gd in fp32 bf16; do
+        bench_stage "grad-3b-$gd" "$S3B --dtype bf16 --device cuda" "{\"grad_dtype\": \"$gd\"}"
+      done;;
+    disk-13b-ga1)
+      D=${DISK_DIR:-/tmp/megatrain-disk}; [ -z "$DRY" ] && mkdir -p "$D"
+      bench_stage disk-13b-ga1 "--model llama-13b --seq-len 4096 --micro-batch 16 --grad-accum 1 --warmup-steps 1 --steps 1 \
+--systems megatrain --timeout 480 --dtype bf16 --device cuda" \
+        "{\"offload_dir\": \"$D\", \"grad_dtype\": \"bf16\", \"optimizer_state\": \"8bit\", \"offload_state\": \"moments\"}"
+      [ -z "$DRY" ] && rm -rf "$D";;
     dp-7b)
       [ -z "$DRY" ] && mkdir -p "$R/dp-7b"
       for n in 1 2; do

@@ -2,7 +2,8 @@
 
 One fresh subprocess per mode: build the model from a config (fp32, random init), train
 ``--steps`` optimizer steps through Trainer + MegaTrainPlugin(optimizer_state=mode) on the CPU
-(fp32 compute: no staging copy; ``--loader from_config``: the weights drawn at attach straight into the
+(fp32 compute: no staging copy; ``--bf16``: bf16 compute with it, ``--grad-dtype bf16`` its bf16 gradient
+accumulators; ``--loader from_config``: the weights drawn at attach straight into the
 host store, so the model never exists whole in fp32), then report the process's peak RSS (``ru_maxrss``), the RSS of the
 same imports before the model existed, and both per trainable parameter.
 
@@ -60,10 +61,11 @@ def child(args) -> None:
 
     targs = TrainingArguments(output_dir=os.path.join(args.work, args.mode), max_steps=args.steps,
                               per_device_train_batch_size=1, learning_rate=1e-4, save_strategy="no", report_to=[],
-                              use_cpu=True, disable_tqdm=True, logging_steps=1, dataloader_num_workers=0)
+                              use_cpu=True, disable_tqdm=True, logging_steps=1, dataloader_num_workers=0,
+                              bf16=args.bf16)
     trainer = Trainer(model=model, args=targs, train_dataset=Tokens(),
                       callbacks=[MegaTrainPlugin(optimizer_state=args.mode, host_adamw_kernel="native",
-                                                 metrics="none")])
+                                                 metrics="none", grad_dtype=args.grad_dtype)])
     trainer.train()
     trainer.optimizer.optimizer.synchronize()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -85,6 +87,11 @@ def main() -> None:
     parser.add_argument("--loader", choices=["eager", "from_config"], default="eager",
                         help="eager: transformers builds the model in fp32, attaching moves it into the store; "
                              "from_config: megatrain_hf.from_config, the weights drawn into the store at attach")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 compute (TrainingArguments(bf16=True)): the matrices stream their bf16 staging copy, "
+                             "as on a GPU (2 B/param more in RAM)")
+    parser.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="MegaTrainConfig.grad_dtype (bf16 needs --bf16)")
     parser.add_argument("--work", default="/tmp/optimizer-state-rss")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

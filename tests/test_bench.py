@@ -432,7 +432,8 @@ def test_gpu_suite_dry_run_commands_parse():
     assert done.returncode == 0, done.stderr
     commands = [shlex.split(line[len("DRY:"):]) for line in done.stdout.splitlines() if line.startswith("DRY:")]
     parts = {"longctx": ["longctx-64k", "longctx-128k"], "longctx-more": ["longctx-256k"],  # several benches
-             "state-3b": ["state-3b-fp32", "state-3b-8bit", "state-3b-4bit"]}
+             "state-3b": ["state-3b-fp32", "state-3b-8bit", "state-3b-4bit"],
+             "grad-3b": ["grad-3b-fp32", "grad-3b-bf16"]}
     # dp-7b: one run on 1 GPU, one on 2; disk-13b: the raw disk rates and the estimate before its bench
     assert len(commands) == len(stages) + 1 + 2 + sum(len(p) - 1 for p in parts.values())
     dp = [w for w in commands if "scripts/gpu_train.py" in w]
@@ -446,8 +447,11 @@ def test_gpu_suite_dry_run_commands_parse():
         args = build_parser().parse_args(argv)
         stage = Path(args.out).name
         assert Path(args.out).parent.name == "abc1234"  # named with the commit
-        if stage == "disk-13b":  # megatrain alone, with the disk tier
+        if stage.startswith("disk-13b"):  # megatrain alone, with the disk tier
             assert json.loads(words[1].split("=", 1)[1])["offload_dir"] and args.systems == "megatrain"
+        elif stage.startswith("grad-3b"):  # megatrain alone, one grad_dtype per bench, accumulation 1
+            assert json.loads(words[1].split("=", 1)[1])["grad_dtype"] == stage.split("-")[-1]
+            assert args.grad_accum == 1 and args.systems == "megatrain"
         elif stage == "qlora-70b":  # its own options, not the caller's
             assert words[:2] == ["env", 'MEGATRAIN_CONFIG={"max_gpu_memory": "24GiB"}'] and args.lora_rank == 16
         elif stage.startswith("state-3b"):  # megatrain alone, one optimizer_state per bench
