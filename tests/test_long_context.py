@@ -234,6 +234,10 @@ def test_plan_arithmetic_at_512k_tokens():
     assert every4.gpu_recomputed_inputs == 3 * seq * shape.hidden * 4
     assert activations.resolve_tile("auto", 4096, 4096, 14336, 2) is None  # one tile: untiled
     assert activations.resolve_tile("auto", 8192, 4096, 14336, 2, budget_bytes=8 * 2**30) == 998  # 2% of 8 GiB
+    # a small whole MLP is not tiled (tiling costs an MLP forward per layer): 1.36 B at 16K tokens, 1.1 GB
+    assert activations.resolve_tile("auto", 16384, 2048, 5632, 2) is None
+    assert activations.resolve_tile("auto", 65536, 4096, 11008, 2) == 4096  # 7 B at 64K tokens: 8.7 GB whole
+    assert activations.resolve_tile("auto", 16384, 2048, 5632, 2, budget_bytes=8 * 2**30) is not None  # > 10%
 
 
 def test_estimate_shows_long_context(capsys):

@@ -21,6 +21,14 @@ AUTO_TILE_MIN = 4096
 """``sequence_tile_tokens="auto"``: tiles of ``max(hidden, AUTO_TILE_MIN)`` tokens (Snowflake
 ALST's TiledMLP tiles by about ``hidden`` tokens)."""
 
+AUTO_UNTILED_MAX_BYTES = 4 * 2**30
+"""``sequence_tile_tokens="auto"`` leaves the MLP whole while its untiled working set
+(:func:`mlp_tile_bytes` of all the tokens) is at most this, or at most ``AUTO_UNTILED_BUDGET_FRACTION``
+of ``max_gpu_memory``: a tiled MLP runs its forward once more per layer in the backward (the tile's
+recompute), which cost 11 % of the step at 1.36 B parameters and 16K tokens on an H200 (docs/log.md)."""
+
+AUTO_UNTILED_BUDGET_FRACTION = 0.1
+
 TILE_BUDGET_FRACTION = 0.02
 """Under ``max_gpu_memory``: a tile's MLP working set stays within this fraction of the budget."""
 
@@ -39,7 +47,11 @@ def mlp_tile_bytes(tile: int, intermediate: int, compute_bytes: int) -> int:
 
 def auto_tile_tokens(tokens: int, hidden: int, intermediate: int, compute_bytes: int,
                      budget_bytes: int | None = None) -> int | None:
-    """``sequence_tile_tokens="auto"``: tokens per MLP tile, or None when one tile holds them all."""
+    """``sequence_tile_tokens="auto"``: tokens per MLP tile, or None when one tile holds them all or the
+    whole MLP's working set is small (``AUTO_UNTILED_MAX_BYTES``)."""
+    whole = mlp_tile_bytes(tokens, intermediate, compute_bytes)
+    if whole <= (AUTO_UNTILED_BUDGET_FRACTION * budget_bytes if budget_bytes else AUTO_UNTILED_MAX_BYTES):
+        return None
     tile = max(hidden, AUTO_TILE_MIN)
     if budget_bytes:
         fits = int(TILE_BUDGET_FRACTION * budget_bytes) // max(1, MLP_TILE_FACTOR * intermediate * compute_bytes)

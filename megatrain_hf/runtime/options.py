@@ -29,10 +29,12 @@ class RuntimeOptions:
     """Tokens per tile of a decoder layer's MLP inside its streamed compute and recompute: the MLP
     runs over that many tokens at a time (its backward recomputes and back-propagates tile by tile),
     so its `tokens x intermediate` activations exist for one tile only. Exact: the MLP is per-token
-    math (the weights' gradients are summed over the tiles in fp32). `"auto"`: tiles of
-    `max(hidden, 4096)` tokens, fewer when `max_gpu_memory` is set and a tile's MLP working set
-    would take more than 2% of it, and no tiling when a micro-batch has no more tokens than one
-    tile (see docs/long-context.md); an int: that tile; `None`: never tiled. Applies to MLPs built of
+    math (the weights' gradients are summed over the tiles in fp32), but it costs one more MLP
+    forward per layer in the backward. `"auto"`: no tiling while the whole MLP's working set
+    (`6 x tokens x intermediate x 2` bytes in bf16) is at most 4 GiB (10% of `max_gpu_memory` when
+    set) or a micro-batch has no more tokens than one tile; else tiles of `max(hidden, 4096)`
+    tokens, fewer when `max_gpu_memory` is set and a tile's MLP working set would take more than 2%
+    of it (see docs/long-context.md); an int: that tile; `None`: never tiled. Applies to MLPs built of
     `nn.Linear` layers without dropout or hooks (mixture-of-experts blocks run whole)."""
 
     checkpoint_interval: Annotated[int, _positive_int] = 1
