@@ -106,8 +106,8 @@ class GradHome:
         if e.tensor.grad is not None:
             raise RuntimeError(
                 f"megatrain: {name} received a second gradient in one optimizer step (gradient accumulation, "
-                "or a module called twice in one forward), which a bf16 accumulator cannot add exactly. "
-                + BF16_FIX)
+                "a module called twice in one forward, or a zero_grad(set_to_none=False) that kept the last "
+                "step's), which a bf16 accumulator cannot add exactly. " + BF16_FIX)
 
     def accumulate_grad(self, entry: Entry, grad: torch.Tensor, name: str = "a weight") -> None:
         """Add ``grad`` (any device/dtype) into the host accumulator of ``entry``.
