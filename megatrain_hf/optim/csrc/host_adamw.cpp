@@ -142,27 +142,98 @@ struct QTensor {
   float* scales[2];
 };
 
-inline float bf16_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+inline float from_bits(uint32_t bits) {
   float x;
   std::memcpy(&x, &bits, sizeof x);
   return x;
 }
 
-inline int find_code(const float* mid, int n_codes, float x) {
-  int pos = 0;
-  for (int step = n_codes / 2; step >= 1; step /= 2) pos += (mid[pos + step - 1] <= x) ? step : 0;
-  return pos;
+inline float bf16_to_float(uint16_t b) { return from_bits(static_cast<uint32_t>(b) << 16); }
+
+// A code is the count of midpoints <= x (sorted midpoints; a NaN x gets 0). The count is found from
+// a table indexed by the top 16 bits of x (sign, exponent, 7 mantissa bits): the floats sharing
+// them form one interval, and the table holds the count at its lowest value (0 for the intervals of
+// infinities and NaNs), a lower bound of every count in it. Counting up from there with the
+// midpoints themselves (mid[n - 1] is a NaN sentinel, never <= x) gives the exact count: at most one
+// midpoint falls inside an interval of the 8-bit and 4-bit maps, so the loop after the first step
+// is almost never entered.
+struct CodeTable {
+  uint8_t start[1 << 16];
+  float mid[256];
+};
+
+void build_table(const float* mid, int n_codes, CodeTable& t) {
+  std::memset(t.start, 0, sizeof t.start);
+  for (int i = 0; i + 1 < n_codes; ++i) t.mid[i] = mid[i];
+  t.mid[n_codes - 1] = std::nanf("");
+  int c = 0;  // positive intervals (exponent < 255), lowest value key << 16, increasing with the key
+  for (uint32_t key = 0; key < 0x7F80u; ++key) {
+    const float lo = from_bits(key << 16);
+    while (c + 1 < n_codes && mid[c] <= lo) ++c;
+    t.start[key] = static_cast<uint8_t>(c);
+  }
+  c = 0;  // negative ones: lowest value (key << 16) | 0xFFFF, increasing as the key decreases
+  for (uint32_t key = 0xFF7Fu; key >= 0x8000u; --key) {
+    const float lo = from_bits((key << 16) | 0xFFFFu);
+    while (c + 1 < n_codes && mid[c] <= lo) ++c;
+    t.start[key] = static_cast<uint8_t>(c);
+  }
 }
 
-inline int get_code(const Format& f, const uint8_t* c, int64_t i) {
-  return f.bits == 8 ? c[i] : ((c[i >> 1] >> ((i & 1) * 4)) & 0x0F);
+inline int find_code(const CodeTable& t, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  int code = t.start[bits >> 16];
+  code += t.mid[code] <= x;
+  while (t.mid[code] <= x) ++code;
+  return code;
 }
 
 constexpr int64_t kMaxBlock = 4096;
 
-// Elements [begin, end) of one tensor; begin is a multiple of the block.
-void update_compressed(const QTensor& q, const Format& f, int64_t begin, int64_t end, float scale) {
+// One block of moment values (new, in place: x) into codes and its scale: absmax, x / absmax, codes.
+// The absmax skips NaNs and is exact in any order (max of a set), so it runs in 8 lanes.
+void encode_block(const CodeTable& t, int bits, float* __restrict x, int64_t nb, uint8_t* __restrict c, float& scale) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= nb; j += 8)
+    for (int l = 0; l < 8; ++l) lane[l] = std::max(lane[l], std::fabs(x[j + l]));
+  float a = 0.0f;
+  for (; j < nb; ++j) a = std::max(a, std::fabs(x[j]));
+  for (int l = 0; l < 8; ++l) a = std::max(a, lane[l]);
+  scale = a;
+  if (a > 0.0f) {
+    for (j = 0; j < nb; ++j) x[j] = x[j] / a;
+  } else {
+    for (j = 0; j < nb; ++j) x[j] = 0.0f;
+  }
+  if (bits == 8) {
+    for (j = 0; j < nb; ++j) c[j] = static_cast<uint8_t>(find_code(t, x[j]));
+    return;
+  }
+  for (j = 0; j + 1 < nb; j += 2) c[j >> 1] = static_cast<uint8_t>(find_code(t, x[j]) | (find_code(t, x[j + 1]) << 4));
+  if (j < nb) c[j >> 1] = static_cast<uint8_t>(find_code(t, x[j]));  // an odd tail: the high nibble stays 0
+}
+
+// Elements [0, nb) of the block: decoded moments in m / v (in place: the new ones), AdamW over
+// contiguous arrays so that the compiler vectorises it.
+template <bool kStage>
+void adamw_block(const Hyper& h, const float* __restrict g_in, float scale, float* __restrict p, float* __restrict m,
+                 float* __restrict v, uint16_t* __restrict s, int64_t nb) {
+  for (int64_t j = 0; j < nb; ++j) {
+    float mi, vi;
+    const float out = adamw_element(h, g_in[j] * scale, p[j], m[j], v[j], mi, vi);
+    m[j] = mi;
+    v[j] = vi;
+    p[j] = out;
+    if constexpr (kStage) s[j] = to_bf16(out);
+  }
+}
+
+// Elements [begin, end) of one tensor; begin is a multiple of the block. Per block: decode both
+// moments into fp32 arrays, AdamW, then encode (absmax, divide, codes).
+void update_compressed(const QTensor& q, const Format& f, const CodeTable* tables, int64_t begin, int64_t end,
+                       float scale) {
   const Tensor& t = q.t;
   const Hyper h(t);
   if (f.bits == 16) {
@@ -181,36 +252,36 @@ void update_compressed(const QTensor& q, const Format& f, int64_t begin, int64_t
   float nm[kMaxBlock], nv[kMaxBlock];
   uint8_t* cm = static_cast<uint8_t*>(q.codes[0]);
   uint8_t* cv = static_cast<uint8_t*>(q.codes[1]);
+  const float* map_m = f.map[0];
+  const float* map_v = f.map[1];
   for (int64_t b0 = begin; b0 < end; b0 += f.block) {
     const int64_t nb = std::min(f.block, end - b0), blk = b0 / f.block;
     const float sm = q.scales[0][blk], sv = q.scales[1][blk];
-    float am = 0.0f, av = 0.0f;
-    for (int64_t j = 0; j < nb; ++j) {
-      const int64_t i = b0 + j;
-      const float mo = f.map[0][get_code(f, cm, i)] * sm, vo = f.map[1][get_code(f, cv, i)] * sv;
-      const float out = adamw_element(h, t.grad[i] * scale, t.param[i], mo, vo, nm[j], nv[j]);
-      t.param[i] = out;
-      if (t.stage) t.stage[i] = to_bf16(out);
-      am = std::max(am, std::fabs(nm[j]));
-      av = std::max(av, std::fabs(nv[j]));
-    }
-    q.scales[0][blk] = am;
-    q.scales[1][blk] = av;
-    for (int k = 0; k < 2; ++k) {
-      const float a = k == 0 ? am : av;
-      const float* x = k == 0 ? nm : nv;
-      uint8_t* c = k == 0 ? cm : cv;
+    if (f.bits == 8) {
+      const uint8_t* __restrict a = cm + b0;
+      const uint8_t* __restrict b = cv + b0;
       for (int64_t j = 0; j < nb; ++j) {
-        const int code = find_code(f.mid[k], f.n_codes, a > 0.0f ? x[j] / a : 0.0f);
-        if (f.bits == 8) {
-          c[b0 + j] = static_cast<uint8_t>(code);
-        } else if (((b0 + j) & 1) == 0) {
-          c[(b0 + j) >> 1] = static_cast<uint8_t>(code);  // the high nibble follows (or stays 0)
-        } else {
-          c[(b0 + j) >> 1] |= static_cast<uint8_t>(code << 4);
-        }
+        nm[j] = map_m[a[j]] * sm;
+        nv[j] = map_v[b[j]] * sv;
+      }
+    } else {
+      const uint8_t* __restrict a = cm + (b0 >> 1);
+      const uint8_t* __restrict b = cv + (b0 >> 1);
+      for (int64_t j = 0; j < nb; j += 2) {  // nm / nv have room for an odd block's extra element
+        nm[j] = map_m[a[j >> 1] & 0x0F] * sm;
+        nm[j + 1] = map_m[a[j >> 1] >> 4] * sm;
+        nv[j] = map_v[b[j >> 1] & 0x0F] * sv;
+        nv[j + 1] = map_v[b[j >> 1] >> 4] * sv;
       }
     }
+    if (t.stage) {
+      adamw_block<true>(h, t.grad + b0, scale, t.param + b0, nm, nv, t.stage + b0, nb);
+    } else {
+      adamw_block<false>(h, t.grad + b0, scale, t.param + b0, nm, nv, nullptr, nb);
+    }
+    const int64_t at = f.bits == 8 ? b0 : b0 >> 1;
+    encode_block(tables[0], f.bits, nm, nb, cm + at, q.scales[0][blk]);
+    encode_block(tables[1], f.bits, nv, nb, cv + at, q.scales[1][blk]);
   }
 }
 
@@ -313,14 +384,16 @@ int megatrain_adamw_compressed(int64_t n, float** params, const float** grads, c
     for (int64_t lo = 0; lo < sizes[k]; lo += chunk) items.push_back(Item{k, lo, std::min(sizes[k], lo + chunk)});
   }
   const float scale = maximize ? clip * -1.0f : clip;
+  std::vector<CodeTable> tables(bits == 16 ? 0 : 2);
+  for (size_t k = 0; k < tables.size(); ++k) build_table(f.mid[k], f.n_codes, tables[k]);
   return run_parallel(static_cast<int64_t>(items.size()), threads, [&](int64_t c) {
     thread_local std::vector<float> scratch;
     const Item& it = items[c];
     if (grads16[it.k]) {
       const float* g = widen(grads16[it.k], it.begin, it.end, scratch);
-      update_compressed(view_from(qs[it.k], f, it.begin, g), f, 0, it.end - it.begin, scale);
+      update_compressed(view_from(qs[it.k], f, it.begin, g), f, tables.data(), 0, it.end - it.begin, scale);
     } else {
-      update_compressed(qs[it.k], f, it.begin, it.end, scale);
+      update_compressed(qs[it.k], f, tables.data(), it.begin, it.end, scale);
     }
   });
 }
