@@ -61,6 +61,9 @@ class GradHome:
         bufs.grad_host = self.allocate(n_train - (n_staged if low else 0), torch.float32)
         bufs.grad_host.zero_()
 
+    def entry_name(self, u: int, e: Entry) -> str:  # for errors
+        return f"{self.names[u]}.{e.name}"
+
     def low_grad_entries(self) -> list[Entry]:
         return [e for u in self.low_grad_units for e in self.owned_trainable(u) if self.low_grad(e)]
 

@@ -1,8 +1,8 @@
-"""Gradient sink: a unit's device gradients into the fp32 host accumulators, off the critical path.
+"""Gradient sink: a unit's device gradients into the host accumulators, off the critical path.
 
-With streams (CUDA), ``submit`` sends the unit's gradients (as fp32) to the host on the grad
-stream, overlapping the backward of the next unit. A tensor's first contribution of the optimizer
-step is copied straight into its pinned fp32 accumulator (``grad_host``). A later one takes the
+With streams (CUDA), ``submit`` sends the unit's gradients (as fp32; bf16 into a bf16 accumulator,
+``grad_home.py``) to the host on the grad stream, overlapping the backward of the next unit. A
+tensor's first contribution of the step is copied straight into its pinned accumulator. A later one takes the
 *GPU round trip*: the accumulator goes up the link, the gradient is added to it there, and the sum
 comes back down (the same fp32 addition the host would do, bit for bit, at no host CPU time). The
 per-tensor norms of what lands in the accumulators are computed on the device too, so the global
@@ -172,14 +172,14 @@ class GradSink:
                 self.store.grads_landed(u, {e.offset: g for e, g in merged})
                 return None
             for e, g in merged:
-                self.store.accumulate_grad(e, g, self._name(u, e))
+                self.store.accumulate_grad(e, g, self.store.entry_name(u, e))
             self.store.grads_landed(u)  # data parallelism: summed into the owner's accumulator
             self.norms[u] = self._unit_norms(u) if want_norm else None
             return None
         fresh, added, replaced = [], [], False
         for e, g in merged:
             if self.store.low_grad(e):  # a bf16 accumulator takes the step's one bf16 gradient only
-                self.store.check_single(e, g, self._name(u, e))
+                self.store.check_single(e, g, self.store.entry_name(u, e))
             if e.tensor.grad is None:  # the step's first contribution: straight into the accumulator
                 fresh.append((e, g))
             elif self.store.holds_grad(e):  # a later one: summed on the device
@@ -233,7 +233,7 @@ class GradSink:
         if param.grad is not None:
             self._wait_pending(0)  # an earlier send of this step may still be landing in the same region
         self._count(g)
-        self.store.accumulate_grad(e, grad, self._name(e.owner, e))
+        self.store.accumulate_grad(e, grad, self.store.entry_name(e.owner, e))
         for hook in (getattr(param, "_post_accumulate_grad_hooks", None) or {}).values():
             hook(param)
 
@@ -285,7 +285,7 @@ class GradSink:
                     self._accumulate_hooked(e, g)
                     continue
                 self._count(g)
-                self.store.accumulate_grad(e, g, self._name(owner, e))
+                self.store.accumulate_grad(e, g, self.store.entry_name(owner, e))
             self.store.grads_landed(owner)
             self.norms[owner] = None
 
@@ -343,11 +343,8 @@ class GradSink:
 
     def _unit_norms(self, u: int) -> tuple[tuple, list[torch.Tensor]]:
         present = [e.tensor.grad for e in self.store.owned_trainable(u) if e.tensor.grad is not None]
-        # dtype: bf16 gradients are cast to fp32 first (vector_norm's documented meaning), as an fp32 .grad
+        # dtype=: a bf16 gradient is cast to fp32 first (vector_norm's documented meaning), as an fp32 .grad
         return self.grad_key(u), (list(torch._foreach_norm(present, 2, dtype=torch.float32)) if present else [])
-
-    def _name(self, u: int, e: Entry) -> str:
-        return f"{self.store.names[u]}.{e.name}"
 
     def global_norm(self) -> torch.Tensor:
         """L2 norm over all host gradients, like ``torch.nn.utils.clip_grad_norm_`` computes it.

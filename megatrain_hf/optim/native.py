@@ -89,8 +89,8 @@ def host_adamw() -> ctypes.CDLL | None:
     ]
     fn = lib.megatrain_adamw_compressed
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int64, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, ctypes.POINTER(ctypes.c_int64)] + [
-        _FLOATS] * 7 + [ctypes.c_int, ctypes.c_int64] + [_FLOATS] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_int64, *[_PTRS] * 8, ctypes.POINTER(ctypes.c_int64)] + [_FLOATS] * 7 + [
+        ctypes.c_int, ctypes.c_int64] + [_FLOATS] * 4 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
 
