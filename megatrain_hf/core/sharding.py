@@ -5,10 +5,9 @@ Data parallelism with host state sharded by unit: unit ``u`` has one *owner* ran
 owner holds the unit's fp32 masters, gradient accumulator and optimizer state; other ranks lay the
 unit's parameters into a small ring of receive slots (``HostStore``) and, for every fetch of the
 unit, receive its masters by a broadcast from the owner. When a unit's backward has landed its
-gradients on the host, they are summed into the owner's accumulator (``reduce`` to the owner, in pieces of
-8 MiB on the host path: no collective holds a whole tensor) and
-the other ranks drop theirs. The global gradient norm is the all-reduced sum of the owners'
-squares.
+gradients on the host, they are summed into the owner's accumulator (``reduce`` to the owner, in
+pieces of 8 MiB: no collective holds a whole tensor) and the other ranks drop theirs. The global
+gradient norm is the all-reduced sum of the owners' squares.
 
 The collectives run on the host flats over a gloo group (host RAM is where these tensors live, on
 CPU and GPU runs alike). Every rank runs the same model code on the same number of batches, so the
