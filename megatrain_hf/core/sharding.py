@@ -5,9 +5,9 @@ Data parallelism with host state sharded by unit: unit ``u`` has one *owner* ran
 owner holds the unit's fp32 masters, gradient accumulator and optimizer state; other ranks lay the
 unit's parameters into a small ring of receive slots (``HostStore``) and, for every fetch of the
 unit, receive its masters by a broadcast from the owner. When a unit's backward has landed its
-gradients on the host, they are summed into the owner's accumulator (``reduce`` to the owner) and
-the other ranks drop theirs. The global gradient norm is the all-reduced sum of the owners'
-squares.
+gradients on the host, they are summed into the owner's accumulator (``reduce`` to the owner, in
+pieces of 8 MiB: no collective holds a whole tensor) and the other ranks drop theirs. The global
+gradient norm is the all-reduced sum of the owners' squares.
 
 The collectives run on the host flats over a gloo group (host RAM is where these tensors live, on
 CPU and GPU runs alike). Every rank runs the same model code on the same number of batches, so the
@@ -25,7 +25,11 @@ import logging
 import torch
 import torch.distributed as dist
 
+from . import host_pages
+
 logger = logging.getLogger(__name__)
+
+PIECE_NUMEL = 2 * 2**20  # elements of one gradient reduce on the host path (8 MiB of fp32)
 
 
 class UnitSharding:
@@ -78,6 +82,33 @@ class UnitSharding:
                                                             group=self.grads))
         self._needs_mean = True
 
+    def reduce_grad_pieces(self, u: int, dst: torch.Tensor | None, src: torch.Tensor | None, numel: int) -> None:
+        """Sum every rank's ``numel``-element gradient of a tensor of unit ``u`` into the owner's ``dst``
+        (1-D fp32), in pieces of :data:`PIECE_NUMEL` elements, every rank cutting at the same offsets: a
+        collective never holds more than a piece (gloo's receive buffers are a piece, not the tensor).
+
+        The owner passes its accumulator's region (its own contribution in it already) as ``dst``; the
+        other ranks pass the gradient as computed (``src``, 1-D, any float dtype; None: no contribution,
+        zeros are sent), copied piece by piece into a small scratch buffer (a reduce may write into a
+        non-root's buffer), so the sender's whole gradient is never copied."""
+        root = self.owns(u)
+        for first in range(0, numel, PIECE_NUMEL):
+            n = min(PIECE_NUMEL, numel - first)
+            if root:
+                piece = dst[first : first + n]
+            else:
+                piece = self._scratch(n)
+                if src is None:
+                    piece.zero_()
+                else:
+                    piece.copy_(src[first : first + n])
+            self.reduce_grad(u, piece)
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        if getattr(self, "_piece", None) is None:
+            self._piece = torch.empty(PIECE_NUMEL, dtype=torch.float32)
+        return self._piece[:n]
+
     def take_mean(self, grads: list[torch.Tensor]) -> None:
         """Once per optimizer step, before gradients are read: the owners' sums become means (DDP's average)."""
         if self._needs_mean:
@@ -129,6 +160,7 @@ class ReceiveSlots:
         self.staging = ([store.allocate(staged, store.compute_dtype) for _ in range(master_slots)]
                         if store.staging and staged else [])
         self.order = {u: i for i, u in enumerate(sorted(store.remote))}
+        self.idle = False  # True once released, until a remote unit's masters are received again
 
     def lay_out(self, u: int, bufs, sizes) -> None:
         i = self.order[u]
@@ -137,6 +169,20 @@ class ReceiveSlots:
         bufs.n_staged = sizes.n_staged
         if self.staging and sizes.n_staged:
             bufs.staging_host = self.staging[i % len(self.staging)][: sizes.n_staged]
+
+    def reads_in_place(self, pinned: bool) -> bool:
+        """One unpinned master slot: the CPU layout, where the computation reads the slot itself and is
+        done with it once another unit is fetched (CUDA's ring is read by uploads still in flight)."""
+        return not pinned and len(self.masters) == 1
+
+    def release(self) -> None:
+        """Give the master slots' pages back to the OS (their contents are dead: every fetch of a remote
+        unit receives its masters again); unpinned (CPU) slots only. The gradient slots are written
+        only on CUDA runs (on the CPU a remote unit's gradient is sent as computed)."""
+        if not self.idle:
+            for t in self.masters:
+                host_pages.release(t)
+            self.idle = True
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.masters, *self.grads, *self.staging))

@@ -254,8 +254,12 @@ class HostStore(GradHome):
         """A fetch reads unit ``u``'s masters: under data parallelism, the owner's arrive first."""
         if self.sharding is None or self.buffers[u].master_host is None:
             return
+        if u not in self.remote and self._slots is not None and self._slots.reads_in_place(self.pin):
+            self._slots.release()  # no remote unit is read now: the slot's pages go back until the next one
         self.sharding.broadcast_master(u, self.buffers[u].master_host)
         self.buffers[u].staging_dirty = u in self.remote or self.buffers[u].staging_dirty  # a slot's copy
+        if u in self.remote:
+            self._slots.idle = False
 
     def grads_landed(self, u: int, computed: dict | None = None) -> None:
         """Unit ``u``'s gradients of this backward are here: sum them into the owner's, tensor by tensor.
@@ -267,15 +271,15 @@ class HostStore(GradHome):
         mine = self.sharding.owns(u)
         for e in owned:
             g = computed.get(e.offset) if computed is not None and e.tensor.grad is None else None
-            if g is not None:  # a copy: a reduce may use a non-root's buffer as scratch
-                part = g.detach().reshape(-1).to(torch.float32, copy=True)
-            else:
+            if mine or g is None and e.tensor.grad is not None:
                 part = self.grad_region(e)
                 if e.tensor.grad is None:  # no contribution here: a zero one (the region may be a reused slot)
                     part.zero_()
                     if mine:
                         e.tensor.grad = part.view(e.shape)
-            self.sharding.reduce_grad(u, part)
+                self.sharding.reduce_grad_pieces(u, part, part, e.numel)
+            else:  # sent as computed (None: zeros), piece by piece: the slot is never written
+                self.sharding.reduce_grad_pieces(u, None, None if g is None else g.detach().reshape(-1), e.numel)
             if not mine:
                 e.tensor.grad = None  # the owner holds the sum (and the region may be a slot)
 

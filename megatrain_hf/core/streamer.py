@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from . import host_pages
 from .layout import Kind
 from .quant import dequantize_into
 from .store import HostStore
@@ -87,6 +88,7 @@ class Streamer:
             for owner, key in self._sources[u]:
                 host, base = self.store.source(owner, key)
                 flats[(owner, key)] = (host if host.dtype == key[1] else host.to(key[1]), base)
+            host_pages.trim()  # the previous unit's computation freed its tensors: the heap's pages go back
             return _Upload(flats, None, self._generation(u))
         with streams.on(self.copy_stream):
             for owner, key in self._sources[u]:

@@ -102,8 +102,8 @@ class ChunkedLMLoss:
                     continue
                 if name in sums:
                     sums[name].add_(g)  # fp32 += (bf16 or fp32): exact conversion, one rounding
-                else:
-                    sums[name] = g.to(torch.float32, copy=True)
+                else:  # autograd's own fresh tensor: kept as the sum (fp32) instead of copied once more
+                    sums[name] = g if g.dtype == torch.float32 else g.to(torch.float32)
             g = None
             del h, loss, inputs, grads  # this chunk's graph and gradients go before the next chunk's
         return (grad_hidden.view_as(x) if grad_hidden is not None else None), sums
