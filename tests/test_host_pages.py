@@ -36,6 +36,26 @@ def test_trim_runs_or_says_it_cannot():
     assert isinstance(host_pages.trim(), bool)
 
 
+def test_the_cpu_path_trims_after_enough_bytes_only(monkeypatch):
+    """malloc_trim walks the heap: once per TRIM_EVERY_BYTES of units computed, not after every small unit."""
+    from helpers import tiny_model
+
+    from megatrain_hf import MegaTrainConfig, attach
+    from megatrain_hf.core import streamer
+
+    calls = []
+    monkeypatch.setattr(streamer.host_pages, "trim", lambda: calls.append(1) or True)
+    model = tiny_model("llama")
+    engine = attach(model, MegaTrainConfig(), device="cpu")
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls == []  # the tiny model's units are far below the threshold
+    monkeypatch.setattr(streamer.host_pages, "TRIM_EVERY_BYTES", 1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(calls) >= len(engine.store.entries)  # every fetch (forward and recompute) trims
+    engine.detach()
+
+
 def _reduce_worker(rank: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     sharding.PIECE_NUMEL = 3  # 10 elements: pieces of 3, 3, 3, 1

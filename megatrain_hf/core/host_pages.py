@@ -21,6 +21,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+TRIM_EVERY_BYTES = 128 * 2**20
+"""The CPU path trims the heap once units of this many bytes in all were fetched since the last trim:
+``malloc_trim`` walks the whole heap (tens of ms), worth it after large units, not after every small one."""
+
 _MADV_DONTNEED = 4  # Linux
 _PAGE = 4096
 _libc = None

@@ -66,6 +66,7 @@ class Streamer:
         self._owners = [sorted({owner for owner, _ in sources}) for sources in self._sources]
         self._quantized = [[e for e in entries if e.quant is not None] for entries in store.entries]
         self._dequantized: tuple[_Upload, dict[str, torch.Tensor]] | None = None  # of the resident unit
+        self._untrimmed = 0  # bytes of units computed on the host since the heap was last trimmed
 
     def _generation(self, u: int) -> tuple[int, ...]:
         generation = self.store.gates.generation
@@ -88,7 +89,10 @@ class Streamer:
             for owner, key in self._sources[u]:
                 host, base = self.store.source(owner, key)
                 flats[(owner, key)] = (host if host.dtype == key[1] else host.to(key[1]), base)
-            host_pages.trim()  # the previous unit's computation freed its tensors: the heap's pages go back
+                self._untrimmed += host.numel() * host.element_size()
+            if self._untrimmed >= host_pages.TRIM_EVERY_BYTES:  # what the computations freed goes back
+                host_pages.trim()
+                self._untrimmed = 0
             return _Upload(flats, None, self._generation(u))
         with streams.on(self.copy_stream):
             for owner, key in self._sources[u]:
