@@ -181,8 +181,20 @@ def train(model, args, callbacks=None, plugins=None, dataset=None, eval_dataset=
     return trainer, recorder.losses
 
 
+GPU_SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
+"""The small Llama the GPU tests train (``tiny_model("llama", **GPU_SHAPE)``)."""
+
+
 def state_of(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone().float() for n, p in model.named_parameters()}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    """Two ``state_of`` results bitwise equal, tensor by tensor."""
+    assert a.keys() == b.keys()
+    for n in a:
+        assert torch.equal(a[n], b[n]), n
 
 
 def assert_close_params(a: dict, b: dict, atol: float, rtol: float = 0.0) -> None:

@@ -12,7 +12,7 @@ import os
 
 import pytest
 import torch
-from helpers import optimizer_files, state_of, tiny_model, train, training_args
+from helpers import assert_same_state, optimizer_files, state_of, tiny_model, train, training_args
 
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.optim import native
@@ -30,12 +30,6 @@ def _run(tmp_path, name, offload_state=None, options=None, resume=None, model=No
     trainer, losses = train(model, training_args(tmp_path / name, bf16=True, **args),
                             callbacks=[MegaTrainPlugin(config)], resume=resume)
     return trainer, model, losses
-
-
-def _assert_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for n in a:
-        assert torch.equal(a[n], b[n]), n
 
 
 def _paged(trainer):
@@ -64,11 +58,11 @@ def test_masters_on_disk_equal_the_in_ram_run(tmp_path, kernel, accumulation):
     assert engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
     assert optimizer._pager.bytes_written >= 6 * optimizer._pager.disk_bytes()
     assert losses == ref_losses
-    _assert_equal(state_of(ref), state_of(got))
+    assert_same_state(state_of(ref), state_of(got))
     run_dir = optimizer._pager.run_dir
     optimizer.close()
     assert not os.path.exists(run_dir)
-    _assert_equal(state_of(ref), state_of(got))  # still readable after the files are removed
+    assert_same_state(state_of(ref), state_of(got))  # still readable after the files are removed
 
 
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("native", marks=NO_NATIVE)])
@@ -80,7 +74,7 @@ def test_eight_bit_moments_and_masters_on_disk_equal_the_in_ram_run(tmp_path, ke
     assert units and optimizer.moments.nbytes() == 0
     assert got._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
     assert losses == ref_losses
-    _assert_equal(state_of(ref), state_of(got))
+    assert_same_state(state_of(ref), state_of(got))
 
 
 def _files(folder) -> dict[str, bytes]:
@@ -108,7 +102,7 @@ def test_resume_and_saved_models_with_masters_on_disk_equal_the_in_ram_run(tmp_p
                                    **args)
     assert trainer.optimizer.optimizer.master_units
     assert resumed_losses == ref_losses[len(ref_losses) // 2:]
-    _assert_equal(state_of(ref), state_of(resumed))
+    assert_same_state(state_of(ref), state_of(resumed))
 
 
 def test_writes_through_the_parameters_reach_the_update(tmp_path):
@@ -140,7 +134,7 @@ def test_writes_through_the_parameters_reach_the_update(tmp_path):
     ref, ram, ref_losses = run(None)
     got, disk, losses = run(str(tmp_path / "d"))
     assert disk.master_units and losses == ref_losses
-    _assert_equal(state_of(ref), state_of(got))
+    assert_same_state(state_of(ref), state_of(got))
     ram.close()
     disk.close()
 
@@ -243,4 +237,4 @@ def test_auto_puts_the_fewest_masters_on_disk_when_moments_on_disk_are_not_enoug
     monkeypatch.undo()
     _, ref, ref_losses = _run(tmp_path, "ram", model=tiny_model("llama", **layers), options=dict(host_staging=True))
     assert losses == ref_losses
-    _assert_equal(state_of(ref), state_of(model))
+    assert_same_state(state_of(ref), state_of(model))

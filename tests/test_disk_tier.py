@@ -15,7 +15,8 @@ import subprocess
 
 import pytest
 import torch
-from helpers import LogRecorder, RandomTokens, optimizer_files, state_of, tiny_model, train, training_args
+from helpers import (LogRecorder, RandomTokens, assert_same_state, optimizer_files, state_of, tiny_model, train,
+                     training_args)
 
 from megatrain_hf import HostAdamW, MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.core.disk_io import RUN_DIR_PREFIX
@@ -33,12 +34,6 @@ def _run(tmp_path, name, offload_dir=None, model=None, options=None, **args):
     return trainer, model, losses
 
 
-def _assert_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for n in a:
-        assert torch.equal(a[n], b[n]), n
-
-
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_moments_on_disk_equal_the_in_ram_run(tmp_path, accumulation):
     disk = tmp_path / "disk"
@@ -50,7 +45,7 @@ def test_moments_on_disk_equal_the_in_ram_run(tmp_path, accumulation):
     assert optimizer._exp_avg == {}  # no moment lives in RAM outside the window
     assert optimizer._pager.bytes_written >= 6 * optimizer._pager.disk_bytes()  # every unit, every step
     assert losses == ref_losses
-    _assert_equal(state_of(ref), state_of(got))
+    assert_same_state(state_of(ref), state_of(got))
     run_dir = optimizer._pager.run_dir
     assert os.path.basename(run_dir).startswith(RUN_DIR_PREFIX) and (os.stat(run_dir).st_mode & 0o777) == 0o700
     optimizer.close()
@@ -73,7 +68,7 @@ def test_compressed_moments_on_disk_equal_the_in_ram_run(tmp_path, mode, accumul
     assert got._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
     assert optimizer._pager.bytes_written >= 6 * optimizer._pager.disk_bytes()  # every unit, every step
     assert losses == ref_losses
-    _assert_equal(state_of(ref), state_of(got))
+    assert_same_state(state_of(ref), state_of(got))
     # state_dict() expands the paged codes as it expands those in RAM
     a, b = ram.optimizer.optimizer.state_dict()["state"], optimizer.state_dict()["state"]
     assert a.keys() == b.keys()
@@ -94,7 +89,7 @@ def test_lora_with_moments_on_disk_equals_the_in_ram_run(tmp_path):
     trainer, got, losses = _run(tmp_path, "disk", tmp_path / "disk", model=lora())
     assert trainer.optimizer.optimizer._pager is not None
     assert losses == ref_losses
-    _assert_equal(state_of(ref), state_of(got))
+    assert_same_state(state_of(ref), state_of(got))
 
 
 @pytest.mark.parametrize("mode", ["fp32", "8bit", "4bit"])
@@ -116,7 +111,7 @@ def test_resume_with_moments_on_disk_equals_the_uninterrupted_in_ram_run(tmp_pat
                                     resume=str(tmp_path / "disk" / "checkpoint-3"))
     assert trainer.optimizer.optimizer._pager is not None
     assert resumed_losses == ref_losses[len(ref_losses) // 2:]
-    _assert_equal(state_of(ref), state_of(resumed))
+    assert_same_state(state_of(ref), state_of(resumed))
     assert optimizer_files(tmp_path / "ram" / "checkpoint-6") == optimizer_files(tmp_path / "disk" / "checkpoint-6")
 
 
@@ -236,7 +231,7 @@ def test_auto_puts_the_fewest_units_on_disk_when_ram_is_short(tmp_path, monkeypa
     monkeypatch.undo()
     _, ref, ref_losses = _run(tmp_path, "ram", model=tiny_model("llama", **layers), options=dict(optimizer_state=mode))
     assert losses == ref_losses
-    _assert_equal(state_of(ref), state_of(model))
+    assert_same_state(state_of(ref), state_of(model))
 
 
 def _located(model):
@@ -320,7 +315,7 @@ def test_sigkill_during_write_back_then_resume_equals_the_uninterrupted_run(tmp_
     _, losses = train(resumed, training_args(out, save_strategy="steps", save_steps=2),
                       callbacks=[MegaTrainPlugin(config)], resume=str(out / "checkpoint-4"))
     assert losses == ref_losses[8:]
-    _assert_equal(state_of(ref), state_of(resumed))
+    assert_same_state(state_of(ref), state_of(resumed))
     # the killed run's directory was removed by the next run's start (its process is gone): only this
     # process's (the resumed run's, removed when its optimizer goes) is left
     assert [name.split("-")[2] for name in os.listdir(disk)] == [str(os.getpid())]

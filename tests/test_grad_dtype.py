@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import state_of, tiny_model, train, training_args
+from helpers import assert_same_state, state_of, tiny_model, train, training_args
 
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.core.grad_home import resolve_grad_dtype
@@ -30,12 +30,6 @@ def _run(tmp_path, name, options=None, model=None, **args):
     return trainer, model, losses
 
 
-def _assert_equal(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for n in a:
-        assert torch.equal(a[n], b[n]), n
-
-
 @NO_GRAD_DTYPE
 @pytest.mark.parametrize("options", [
     dict(host_adamw_kernel="torch"),
@@ -47,7 +41,7 @@ def test_bf16_accumulators_equal_fp32_ones(tmp_path, options):
     _, ref, ref_losses = _run(tmp_path, "fp32", options)
     trainer, got, losses = _run(tmp_path, "bf16", dict(options, grad_dtype="bf16"))
     assert losses == ref_losses
-    _assert_equal(state_of(ref), state_of(got))
+    assert_same_state(state_of(ref), state_of(got))
     store = trainer.optimizer.optimizer.store
     low = store.low_grad_entries()
     assert low and all(e.wire == torch.bfloat16 for e in low)  # every streamed matrix but the head's
@@ -65,7 +59,7 @@ def test_with_masters_and_moments_on_disk(tmp_path, kernel):
     trainer, got, losses = _run(tmp_path, "bf16", dict(options, grad_dtype="bf16"))
     assert trainer.optimizer.optimizer.master_units
     assert losses == ref_losses
-    _assert_equal(state_of(ref), state_of(got))
+    assert_same_state(state_of(ref), state_of(got))
 
 
 @NO_GRAD_DTYPE

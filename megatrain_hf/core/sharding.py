@@ -43,6 +43,7 @@ class UnitSharding:
         self.rank = dist.get_rank() if rank is None else rank
         self.world_size = dist.get_world_size() if world_size is None else world_size
         self.num_units = num_units
+        self._piece: torch.Tensor | None = None  # reduce_grad_pieces' scratch, allocated at first use
         timeout = datetime.timedelta(seconds=timeout_s)
         # gloo for host tensors, whatever the default backend is (NCCL on GPUs)
         self.weights = dist.new_group(backend="gloo", timeout=timeout)
@@ -105,7 +106,7 @@ class UnitSharding:
             self.reduce_grad(u, piece)
 
     def _scratch(self, n: int) -> torch.Tensor:
-        if getattr(self, "_piece", None) is None:
+        if self._piece is None:
             self._piece = torch.empty(PIECE_NUMEL, dtype=torch.float32)
         return self._piece[:n]
 

@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from helpers import LogRecorder, RandomTokens, assert_close_losses, state_of, tiny_model, train, training_args
+from helpers import (GPU_SHAPE, LogRecorder, RandomTokens, assert_close_losses, state_of, tiny_model, train,
+                     training_args)
 from megatrain_hf import MegaTrainPlugin, engine_of
 
 pytestmark = pytest.mark.gpu
@@ -28,8 +29,7 @@ BF16_UPDATE_RTOL = 0.05
 FP32_LOSS_ATOL = 1e-4
 FP32_UPDATE_RTOL = 1e-2  # embedding backward uses atomics on CUDA: last-bit noise, amplified by Adam
 
-SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
+SHAPE = GPU_SHAPE
 
 
 def _report(name, ref_losses, losses, ref_state, state):

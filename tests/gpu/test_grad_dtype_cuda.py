@@ -10,15 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import RandomTokens, assert_close_losses, state_of, tiny_model, train, training_args
+from helpers import GPU_SHAPE, RandomTokens, assert_close_losses, state_of, tiny_model, train, training_args
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, engine_of
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
+SHAPE = GPU_SHAPE
 
 
 def test_bf16_gradient_accumulators_match_fp32_ones(tmp_path):
