@@ -48,6 +48,7 @@ from .memory import activations
 from .memory import host as host_memory
 from .memory.disk import admit_tiers
 from .memory.host import DEFAULT_HEADROOM_BYTES
+from .optim.attach_tier import AttachTier
 from .runtime import layer_major
 from .runtime.streamed_call import Unit, UnitRunner
 from .stats import EngineStats
@@ -82,7 +83,12 @@ class Engine:
         staging, self.state_tier = admit_tiers(named, located.embedding_units, dtype, config.host_staging,
                                                moments, frozen_in_wire_dtype, config.offload_dir,
                                                config.offload_state, config.check_host_memory, quantize,
-                                               masters_allowed=self.sharding is None, grad_dtype=grad_dtype)
+                                               masters_allowed=self.sharding is None, grad_dtype=grad_dtype,
+                                               window=config.offload_window)
+        on_unit = None  # masters on disk: each unit's go to its file as soon as the store has filled it
+        if self.state_tier.masters and moments is not False:
+            on_unit = AttachTier(config.offload_dir, self.state_tier.units, self.state_tier.masters, moments,
+                                 config.disk_io, config.offload_window)
         self.host_threads = config.resolve_host_threads()
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
@@ -100,7 +106,11 @@ class Engine:
                                    sources=deferred.source if deferred is not None else None, quantize=quantize,
                                    ranges=deferred.ranges if deferred is not None else None,
                                    stored_quantized=deferred.quantized_source if deferred is not None else None,
-                                   sharding=self.sharding, slots=slots, grad_dtype=grad_dtype)
+                                   sharding=self.sharding, slots=slots, grad_dtype=grad_dtype, on_unit=on_unit)
+        except BaseException:
+            if on_unit is not None:
+                on_unit.close()  # (the files made so far)
+            raise
         finally:
             if deferred is not None:
                 deferred.close()
@@ -229,6 +239,8 @@ class Engine:
         if self.streams is not None:
             self.streams.synchronize()  # no copy still reads the flats we unpin
         self.grads.close()
+        if self.store.disk_tier is not None:
+            self.store.disk_tier.close()  # the parameters keep their mapping of the masters
         self.store.release()
 
     def set_final_microbatch(self, is_final: Callable[[], bool]) -> None:

@@ -4,12 +4,12 @@ Builds a Llama-shaped model from a config (random weights, fp32, CPU compute; ``
 compute through the staging copy, as on a GPU), attaches megatrain, runs ``--steps`` optimizer steps
 (forward + backward + HostAdamW update), and prints JSON:
 
-* ``peak_above_base_B_per_param`` / ``steps_peak_above_base_B_per_param``: the same peaks less the RSS of
-  the imports before the model existed (``base_rss_bytes``), per trainable parameter;
-* ``peak_rss_B_per_param``: the process's peak RSS (VmHWM, reset through /proc/self/clear_refs once the
-  model is attached, so the peak of HF building the model in fp32 is not counted) per trainable parameter;
-  ``steps_peak_rss_B_per_param``: the same, reset once the optimizer is built (with
-  ``--offload-state all`` that is when the masters have left RAM: the training steps' own peak);
+* ``peak_rss_B_per_param``: the process's peak RSS (VmHWM) from the imports to the end, per trainable
+  parameter; ``peak_above_base_B_per_param``: the same less the RSS of the imports before the model
+  existed (``base_rss_bytes``); ``attach_peak_*`` / ``built_peak_*`` / ``steps_peak_*``: the peak of each
+  phase alone (VmHWM reset through /proc/self/clear_refs between them): building and attaching the model
+  (``--loader eager``: HF builds it in fp32 first, 4 B/param; ``from_config``: its weights drawn at attach
+  straight into the host store), building the optimizer, the training steps;
   ``ram_bytes``: what the store and the optimizer hold in RAM, tier by tier;
 * ``update_s``: wall time of ``step()`` + ``synchronize()`` (the update, its reads ahead and its writes
   behind overlapping it), the last step's; ``disk_GBps``: bytes read + written by the tier in that step
@@ -69,6 +69,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--loader", choices=["eager", "from_config"], default="eager",
+                        help="eager: HF builds the model in fp32, then it attaches; from_config: the weights are drawn at "
+                             "attach straight into the host store (megatrain_hf.from_config)")
     parser.add_argument("--optimizer-state", default="fp32", choices=["fp32", "bf16", "8bit", "4bit"],
                         help="the moments' format (MegaTrainConfig.optimizer_state)")
     parser.add_argument("--kernel", default="torch", choices=["torch", "native"], help="HostAdamW's host kernel")
@@ -83,11 +86,20 @@ def main() -> None:
                                       num_key_value_heads=args.hidden // 64, vocab_size=args.vocab,
                                       max_position_embeddings=args.seq)
     base_rss = rss_now()  # the imports' (torch, transformers, megatrain) before the model exists
+    rss_peak_reset()
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
+    if args.loader == "from_config":
+        import megatrain_hf
+
+        model = megatrain_hf.from_config(config, seed=0)
+    else:
+        model = transformers.LlamaForCausalLM(config)
     engine = attach(model, MegaTrainConfig(offload_dir=args.offload_dir, offload_state=args.offload_state,
-                                           grad_dtype=args.grad_dtype), device="cpu", bf16=args.bf16)
+                                           grad_dtype=args.grad_dtype, optimizer_state=args.optimizer_state,
+                                           offload_window=args.window or 4, disk_io=args.disk_io),
+                    device="cpu", bf16=args.bf16)
     trainable = engine.store.trainable_numel()
+    attach_peak = rss_peak()
     rss_peak_reset()
     opt = HostAdamW(model.parameters(), engine.store, lr=1e-4, offload_dir=args.offload_dir,
                     state=args.optimizer_state, kernel=args.kernel, offload_window=args.window,
@@ -114,7 +126,7 @@ def main() -> None:
             row["raw_fraction"] = (read / (args.raw_read * 1e9) + written / (args.raw_write * 1e9)) / update_s
         steps.append(row)
     steps_peak = rss_peak()
-    peak = max(built_peak, steps_peak)
+    peak = max(attach_peak, built_peak, steps_peak)
     bufs = engine.store.buffers
     ram = {"masters": sum(4 * (b.master_host.numel() if b.master_host is not None else 0) for b in bufs),
            "masters_tail": sum(4 * b.master_tail.numel() for b in bufs if b.master_tail is not None),
@@ -131,7 +143,9 @@ def main() -> None:
         "trainable_params": trainable, "peak_rss_bytes": peak, "peak_rss_B_per_param": peak / trainable,
         "steps_peak_rss_B_per_param": steps_peak / trainable, "grad_dtype": args.grad_dtype,
         "base_rss_bytes": base_rss, "steps_peak_above_base_B_per_param": (steps_peak - base_rss) / trainable,
-        "peak_above_base_B_per_param": (peak - base_rss) / trainable,
+        "peak_above_base_B_per_param": (peak - base_rss) / trainable, "loader": args.loader,
+        "attach_peak_B_per_param": attach_peak / trainable, "built_peak_B_per_param": built_peak / trainable,
+        "adopted_attach_tier": engine.store.disk_tier is not None and opt._pager is engine.store.disk_tier.pager,
         "ram_bytes": ram, "ram_B_per_param": {k: v / trainable for k, v in ram.items()},
         "update_elements_per_s": trainable / steps[-1]["update_s"],
         "o_direct": all(opt._pager.io.direct.values()) if opt._pager else None,

@@ -59,10 +59,75 @@ def test_masters_on_disk_equal_the_in_ram_run(tmp_path, kernel, accumulation):
     assert optimizer._pager.bytes_written >= 6 * optimizer._pager.disk_bytes()
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
+    assert optimizer._pager is store.disk_tier.pager  # the files the engine made at attach, adopted
     run_dir = optimizer._pager.run_dir
     optimizer.close()
+    assert os.path.exists(run_dir)  # they hold the masters: the engine's until it detaches
+    engine.detach()
     assert not os.path.exists(run_dir)
     assert_same_state(state_of(ref), state_of(got))  # still readable after the files are removed
+
+
+def _hand_run(offload_dir, window=None, optimizers=1, steps=3):
+    """A hand-written loop on an attached model: ``optimizers`` HostAdamW one after the other (each closed
+    before the next is built: a fresh optimizer's moments are zero), ``steps`` steps each."""
+    from megatrain_hf import HostAdamW, attach
+
+    model = tiny_model("llama")
+    config = MegaTrainConfig(offload_dir=offload_dir, offload_state="all", optimizer_state="8bit") if offload_dir \
+        else MegaTrainConfig()
+    engine = attach(model, config, bf16=True)
+    losses, used = [], []
+    for k in range(optimizers):
+        opt = HostAdamW(model.parameters(), engine.store, lr=1e-2, state="8bit", offload_dir=offload_dir,
+                        offload_masters=offload_dir is not None, offload_window=window)
+        used.append(opt._pager)
+        for seed in range(steps):
+            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed + 10 * k))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+    return model, engine, losses, used
+
+
+def test_masters_leave_ram_unit_by_unit_while_the_model_attaches(tmp_path, monkeypatch):
+    """With the masters on disk the store's hook moves each unit's staged masters into its file as soon as the
+    unit is filled: when unit u's flats are made, no earlier unit's staged masters are in RAM any more."""
+    from megatrain_hf.optim.attach_tier import AttachTier
+
+    seen = []
+    original = AttachTier.__call__
+
+    def watch(self, store, u):
+        seen.append([v for v, b in enumerate(store.buffers[:-1]) if b.master_host is not None and b.n_staged])
+        original(self, store, u)
+        assert store.buffers[u].master_host is None or not store.buffers[u].n_staged
+
+    monkeypatch.setattr(AttachTier, "__call__", watch)
+    (tmp_path / "d").mkdir()
+    model, engine, _, used = _hand_run(str(tmp_path / "d"), steps=1)
+    assert len(seen) == len(engine.store.buffers) and all(v == [] for v in seen)
+    assert engine.state_tier.masters and used[0] is engine.store.disk_tier.pager
+    engine.detach()
+
+
+def test_optimizers_on_the_attach_tier_equal_the_in_ram_run(tmp_path):
+    """Two optimizers one after the other adopt the files made at attach (the second from zero moments); one
+    with another window pages files of its own, the masters moved there from the mapping: all equal RAM."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ref, _, ref_losses, _ = _hand_run(None, optimizers=2)
+    got, engine, losses, used = _hand_run(str(tmp_path / "a"), optimizers=2)
+    assert used[0] is used[1] is engine.store.disk_tier.pager and losses == ref_losses
+    assert_same_state(state_of(ref), state_of(got))
+    other, other_engine, other_losses, other_used = _hand_run(str(tmp_path / "b"), window=3)
+    assert other_used[0] is not other_engine.store.disk_tier.pager and other_losses == ref_losses[:3]
+    engine.detach()
+    other_engine.detach()
+    assert os.listdir(tmp_path / "a") == [] and os.listdir(tmp_path / "b") == []
 
 
 @pytest.mark.parametrize("kernel", ["torch", pytest.param("native", marks=NO_NATIVE)])

@@ -101,7 +101,9 @@ class HostStore(GradHome):
     ``quantize(tensor)`` the scheme a frozen tensor is stored in (None: as is), and ``ranges(tensor)``
     what reads its elements ``[first, first + n)`` into an fp32 buffer (a checkpoint read) or None
     (read the tensor); ``stored_quantized(tensor)`` what copies a tensor stored quantized already
-    (``fill(format, byte_range)``), or None. The store does not know what a model is.
+    (``fill(format, byte_range)``), or None; ``on_unit(store, u)``, if given, runs once unit ``u``'s flats
+    are filled (the disk tier takes its masters there, before the next unit's exist). The store does not
+    know what a model is.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class HostStore(GradHome):
         sharding=None,
         slots: tuple[int, int] = (1, 1),
         grad_dtype: torch.dtype = torch.float32,
+        on_unit: Callable[["HostStore", int], None] | None = None,
     ) -> None:
         self.sharding = sharding  # core.sharding.UnitSharding under data parallelism, else None
         self.compute_dtype = compute_dtype
@@ -138,7 +141,8 @@ class HostStore(GradHome):
                                                                  self.frozen_storage, quantize)
         self.remote = self._remote_units()
         self._slots = ReceiveSlots(self, *slots) if self.remote else None
-        self._allocate(sources, ranges, stored_quantized)
+        self.disk_tier = None  # the files of the masters and moments on disk, if ``on_unit`` made them
+        self._allocate(sources, ranges, stored_quantized, on_unit)
         self.gates = UnitGates(self.names)
 
     # ------------------------------------------------------------------ layout
@@ -180,7 +184,7 @@ class HostStore(GradHome):
         return frozenset(u for u in range(len(self.entries))
                          if self._sizes[u].n_train and u not in tied and not self.sharding.owns(u))
 
-    def _allocate(self, sources, ranges, stored_quantized=None) -> None:
+    def _allocate(self, sources, ranges, stored_quantized=None, on_unit=None) -> None:
         work = None  # the quantization's chunk buffers, one set for every tensor
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
@@ -225,6 +229,8 @@ class HostStore(GradHome):
                         fill(region)
                 e.tensor.data = alias(flat, e.offset, e.shape)
             self.buffers.append(bufs)
+            if on_unit is not None:
+                on_unit(self, u)
         self.mark_grad_dtypes()
         logger.info(
             "host store: %d units, %.3f GiB of fp32 masters, %.3f GiB host buffers in all, pinned=%s",
@@ -238,6 +244,9 @@ class HostStore(GradHome):
 
     def n_train(self, u: int) -> int:  # elements of unit u's master flat (= its gradient), alignment included
         return self._sizes[u].n_train
+
+    def n_staged(self, u: int) -> int:  # elements of master[:n_staged]: what the staging copy holds (known before allocation)
+        return self._sizes[u].n_staged
 
     def host_bytes(self) -> int:
         total = self._slots.nbytes() if self._slots is not None else 0

@@ -86,7 +86,8 @@ def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
 def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
                 host_staging: bool | str, optimizer_state: bool | str, frozen_in_wire_dtype: bool,
                 offload_dir: str | None, offload_state: str, check_ram: bool, quantize=None,
-                masters_allowed: bool = True, grad_dtype: torch.dtype = torch.float32) -> tuple[bool, DiskTier]:
+                masters_allowed: bool = True, grad_dtype: torch.dtype = torch.float32,
+                window: int = DEFAULT_WINDOW) -> tuple[bool, DiskTier]:
     """The engine's admission with the disk tier: (keep the staging copy, the state's placement).
 
     ``offload_state="auto"``: the moments stay in RAM when the plan fits there, else the fewest units'
@@ -97,7 +98,7 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
     and staged masters (refused where the device streams the masters themselves). Without
     ``offload_dir``: RAM (``host.admit``). ``optimizer_state``: the moments' format (False: no HostAdamW
     state; True: fp32), paged in that format. ``quantize``: the quantized base's schemes
-    (``host.host_breakdown_for_units``).
+    (``host.host_breakdown_for_units``); ``window``: the tier's RAM slots.
     """
     staging_default = host_staging is not False
     masters_possible = compute_dtype != torch.float32 and host_staging is not False and masters_allowed
@@ -130,7 +131,7 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
     masters_total = 4 * sum(s.n_train for s in sizes)
 
     def split(k: int, m: int = 0) -> tuple[DiskTier, dict]:  # the last k units' moments, the last m's masters
-        tier = tier_bytes(sizes, units=with_state[len(with_state) - k:], optimizer_state=state,
+        tier = tier_bytes(sizes, window, units=with_state[len(with_state) - k:], optimizer_state=state,
                           masters=with_masters[len(with_masters) - m:] if m else ())
         kept = sum(2 * moment_bytes(sizes[u], state) for u in with_state[: len(with_state) - k])
         extra = {"disk_slots": tier.ram_bytes, "moments_in_ram": kept}

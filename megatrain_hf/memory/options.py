@@ -34,6 +34,13 @@ def _check_offload_dir(name: str, value) -> None:
         check_offload_dir(value)
 
 
+def _check_window(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(f"MegaTrainConfig.{name}={value!r}; allowed: an int >= 2 (the unit updating and the one "
+                         "written back behind it; each slot more reads one unit further ahead). Fix: offload_window=4, "
+                         "the default.")
+
+
 @dataclass(kw_only=True)
 class MemoryOptions:
     pin_memory: bool | Literal["auto"] = "auto"
@@ -103,8 +110,15 @@ class MemoryOptions:
     the matrices of the fewest units; logged); `"moments"` puts every unit's moments on disk whatever
     RAM there is; `"all"` the moments and the fp32 masters of the matrices (4 B/param more; the device
     streams their bf16 staging copy, so only the update reads them), which needs bf16 compute with the
-    staging copy and no data parallelism. Refused before allocating, with the arithmetic, when RAM +
+    staging copy and no data parallelism; each unit's masters go to its file while the model attaches,
+    so they never all exist in RAM. Refused before allocating, with the arithmetic, when RAM +
     the free space of `offload_dir` are short."""
+
+    offload_window: Annotated[int, _check_window] = 4
+    """With `offload_dir`: the disk tier's RAM slots, each the size of the largest unit's state on disk
+    (moments, and the masters with `offload_state="all"`): the unit updating, the one written back behind
+    it, and `offload_window - 2` read ahead. 2 takes the least RAM; more lets reads run further ahead of
+    a disk whose speed varies."""
 
     disk_io: Literal["threads", "auto", "deepspeed"] = "threads"
     """The disk tier's I/O engine ([disk tier](disk-tier.md)): `"threads"`, a pool of

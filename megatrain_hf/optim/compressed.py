@@ -39,6 +39,26 @@ def tensor_names(fmt: Format) -> list[str]:
     return [f"{m}.{part}" for m in MOMENTS for part in ("codes", "scales")]
 
 
+def _distinct(entries: list[Entry]) -> list[Entry]:
+    """The entries of distinct tensors (a tied one once), in offset order."""
+    return sorted({id(e.tensor): e for e in entries}.values(), key=lambda e: e.offset)
+
+
+def unit_spec(fmt: Format, entries: list[Entry], numel: int) -> dict[str, tuple[int, torch.dtype]]:
+    """A unit's AdamW state tensors in ``fmt`` (name -> (elements, dtype)) for the optimizer's ``entries``
+    of it, whose master flat has ``numel`` elements: what HostAdamW allocates, checkpoints and pages."""
+    if fmt.mode == "fp32":
+        return {m: (numel, torch.float32) for m in MOMENTS}
+    if not fmt.quantized:
+        return {m: (numel, torch.bfloat16) for m in MOMENTS}
+    n_blocks = sum(fmt.blocks(e.numel) for e in _distinct(entries))
+    spec = {}
+    for m in MOMENTS:
+        spec[f"{m}.codes"] = (fmt.code_bytes(numel), torch.uint8)
+        spec[f"{m}.scales"] = (max(n_blocks, 1), torch.float32)
+    return spec
+
+
 class CompressedMoments:
     """The compressed moments of every unit an optimizer updates.
 
@@ -55,20 +75,12 @@ class CompressedMoments:
         self.entries: dict[int, dict[int, EntryState]] = {}  # unit in RAM -> id(entry.tensor) -> its state
         self._blocks: dict[int, dict[int, tuple[Entry, int]]] = {}  # unit -> id(entry.tensor) -> (entry, 1st block)
         for u, unit_entries in entries.items():
-            ordered = sorted({id(e.tensor): e for e in unit_entries}.values(), key=lambda e: e.offset)
             block_at, n_blocks = {}, 0
-            for e in ordered:
+            for e in _distinct(unit_entries):
                 block_at[id(e.tensor)] = (e, n_blocks)
                 n_blocks += fmt.blocks(e.numel)
             self._blocks[u] = block_at
-            spec = {}
-            for m in MOMENTS:
-                if fmt.quantized:
-                    spec[f"{m}.codes"] = (fmt.code_bytes(numels[u]), torch.uint8)
-                    spec[f"{m}.scales"] = (max(n_blocks, 1), torch.float32)
-                else:
-                    spec[m] = (numels[u], torch.bfloat16)
-            self.specs[u] = spec
+            self.specs[u] = spec = unit_spec(fmt, unit_entries, numels[u])
             if u not in paged:
                 self.tensors[u] = {name: allocate(n, dtype).zero_() for name, (n, dtype) in spec.items()}
                 self.entries[u] = self.views(u, self.tensors[u])

@@ -77,6 +77,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         self.store = store
         self.format = format_of(state)  # refuses an unknown format, naming the allowed ones
         self.offload_dir, self.offload_window, self._pager = offload_dir, offload_window, None  # _pager: PagedState
+        self._tier = None  # the engine's AttachTier when _pager is its files
         self.disk_io = disk_io  # the tier's I/O engine: optim/disk_engines.py CHOICES
         self._offload_units = None if offload_units is None else frozenset(offload_units)  # None: all units
         # the paged units whose staged fp32 masters are in their files too (True: all; offload_state="all")
@@ -159,14 +160,18 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         self._steps: dict[tuple[int, int], list[torch.Tensor]] = {}
         specs = {u: self.state_spec(u) for u in self._plan}
         if self.offload_dir is not None:
-            from .paged_state import DEFAULT_WINDOW, MASTER, PagedState, master_units, move_masters
+            from .attach_tier import tier_layout
+            from .paged_state import DEFAULT_WINDOW, PagedState, master_units, move_masters
 
             masters = master_units(self.store, paged, self._offload_masters)
-            n_staged = {u: self.store.buffers[u].n_staged for u in masters}
-            self._pager = PagedState(self.offload_dir, {
-                u: ({MASTER: (n_staged[u], torch.float32)} if u in n_staged else {}) | specs[u] for u in sorted(paged)
-            }, self.offload_window or DEFAULT_WINDOW, disk_io=self.disk_io)
-            move_masters(self._pager, self.store, masters)
+            layout = tier_layout({u: specs[u] for u in paged}, {u: self.store.buffers[u].n_staged for u in masters})
+            window = self.offload_window or DEFAULT_WINDOW
+            tier = self.store.disk_tier  # the files the engine made at attach, the masters already in them
+            self._pager = tier.adopt(self, layout, window, self.disk_io) if tier is not None else None
+            self._tier = tier if self._pager is not None else None
+            if self._pager is None:
+                self._pager = PagedState(self.offload_dir, layout, window, disk_io=self.disk_io)
+                move_masters(self._pager, self.store, masters)  # (from RAM, or from the attach tier's mapping)
             self.master_units = masters
         for u, groups in self._plan.items():
             if self.moments is None and not self._paged(u):
@@ -370,7 +375,9 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
                 self._wake.put(None)
                 self._worker.join(timeout=60)
         finally:
-            if self._pager is not None:
+            if self._tier is not None:
+                self._tier.release(self)  # the engine's files: they hold the masters
+            elif self._pager is not None:
                 self._pager.close()  # removes the run's directory
 
     def __del__(self) -> None:

@@ -76,6 +76,7 @@ class PagedState:
                 offset += align_up(numel * dtype.itemsize)
             layouts[u] = (tensors, offset)
         slot_bytes = max([nbytes for _, nbytes in layouts.values()] + [ALIGN])
+        self.specs, self.window, self.disk_io_name = specs, window, disk_io  # (what an optimizer adopting it checks)
         self.run_dir = create_run_dir(offload_dir)
         try:  # the engine (disk_engines.CHOICES) unless one is given
             self.io = io if io is not None else open_disk_io(disk_io, self.run_dir, window * slot_bytes)
@@ -235,6 +236,10 @@ class PagedState:
         for slot in self._slots:
             self._wait(slot.write)
         self._raise()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
 
     def close(self) -> None:
         """Wait for the writes, then remove the run directory with its files (idempotent)."""

@@ -12,14 +12,15 @@ import contextlib
 
 import torch
 
+from .compressed import unit_spec
+
 
 class AdamWStateIO:
     def state_spec(self, u: int) -> dict[str, tuple[int, torch.dtype]]:
         """Unit ``u``'s contiguous state tensors: name -> (elements, dtype); the disk tier pages these as bytes."""
         if self.moments is not None:  # the codes and scales (or bf16 moments) of the compressed format
             return dict(self.moments.specs[u])
-        numel = self.store.n_train(u)
-        return {"exp_avg": (numel, torch.float32), "exp_avg_sq": (numel, torch.float32)}
+        return unit_spec(self.format, [], self.store.n_train(u))
 
     def unit_state(self, u: int, write: bool = False):
         """Unit ``u``'s state tensors, resident while the block runs (no update running: after :meth:`synchronize`);

@@ -105,7 +105,8 @@ def _host_optimizer(plugin, optimizer: torch.optim.Optimizer) -> HostAdamW:
                   device=engine.device, state=config.optimizer_state)
     if engine.state_tier.on_disk:  # the engine's plan put the moments on disk (offload_dir)
         kwargs.update(offload_dir=config.offload_dir, offload_units=engine.state_tier.units,
-                      offload_masters=engine.state_tier.masters, disk_io=config.disk_io)
+                      offload_masters=engine.state_tier.masters, disk_io=config.disk_io,
+                      offload_window=config.offload_window)
     if config.device_update:
         from ...optim.device_update import DeviceShareAdamW
 

@@ -1,0 +1,90 @@
+"""The disk tier made while the model attaches, so that the fp32 masters never all exist in RAM.
+
+With the masters on disk (``offload_state="all"``, or ``"auto"`` choosing them) the engine knows at
+attach which units' masters and moments go to disk and in which format (``optimizer_state``).
+:class:`AttachTier` is the host store's ``on_unit`` hook: at the first unit it creates the tier's
+files, laid out as HostAdamW lays them out (:func:`tier_layout`), and as soon as each unit's flats
+are filled it moves that unit's staged masters into its file (``paged_state.move_masters``): at most
+one unit's masters are in RAM at any time, from loading to the end of the run.
+
+HostAdamW then pages these files (:meth:`AttachTier.adopt`) when they are laid out for it (same units
+and format, window and I/O engine) and no other live optimizer pages them; otherwise it makes files
+of its own and moves the masters there from the mapping (correct; the masters' bytes twice on disk).
+A second optimizer adopting the files starts from zero moments, as a fresh one does.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+from .compressed import unit_spec
+from .paged_state import DEFAULT_WINDOW, MASTER, PagedState, move_masters
+from .quant import format_of
+
+logger = logging.getLogger(__name__)
+
+
+def tier_layout(specs: dict[int, dict], n_staged: dict[int, int]) -> dict[int, dict[str, tuple[int, torch.dtype]]]:
+    """Each paged unit's file: its staged fp32 masters first (the units of ``n_staged``), then its state
+    tensors ``specs[u]``."""
+    return {u: ({MASTER: (n_staged[u], torch.float32)} if u in n_staged else {}) | specs[u] for u in sorted(specs)}
+
+
+class AttachTier:
+    """The store's ``on_unit`` hook that puts ``masters``' staged masters on disk as the store fills them,
+    in the files of the moments of ``units`` in ``optimizer_state``'s format; then the tier an optimizer adopts."""
+
+    def __init__(self, offload_dir: str, units, masters, optimizer_state: str, disk_io: str = "threads",
+                 window: int = DEFAULT_WINDOW) -> None:
+        self.offload_dir, self.units, self.masters = offload_dir, tuple(units), frozenset(masters)
+        self.format, self.window, self.disk_io = format_of(optimizer_state), window, disk_io
+        self.pager: PagedState | None = None
+        self._user = None  # weakref of the optimizer paging the files now
+        self._used = False  # an optimizer paged them before: their moments are not zero any more
+
+    def __call__(self, store, u: int) -> None:
+        if self.pager is None:
+            specs = {v: unit_spec(self.format, store.owned_trainable(v), store.n_train(v)) for v in self.units}
+            self.pager = PagedState(self.offload_dir, tier_layout(specs, {v: store.n_staged(v) for v in self.masters}),
+                                    self.window, disk_io=self.disk_io)
+            store.disk_tier = self
+        if u in self.masters:
+            move_masters(self.pager, store, [u])
+
+    def adopt(self, optimizer, layout: dict, window: int, disk_io: str) -> PagedState | None:
+        """The files for ``optimizer``, whose tier would be ``layout`` paged through ``window`` slots by
+        ``disk_io``; None where they do not fit it or another live optimizer pages them."""
+        pager = self.pager
+        if pager is None or pager.closed:
+            return None
+        if (pager.specs, pager.window, pager.disk_io_name) != (layout, window, disk_io):
+            logger.warning(
+                "megatrain disk tier: the files made at attach are laid out for other optimizer settings (their "
+                "window %d, disk_io %r; asked %d, %r, or other moments or units); this optimizer pages files of its "
+                "own and the masters move there", pager.window, pager.disk_io_name, window, disk_io)
+            return None
+        if self._user is not None and self._user() is not None:
+            logger.warning("megatrain disk tier: another optimizer still pages the files made at attach (close it "
+                           "first: optimizer.close()); this one pages files of its own")
+            return None
+        if self._used:  # a fresh optimizer's moments are zero
+            for u in pager.units:
+                with pager.state(u, write=True) as flats:
+                    for t in flats.values():
+                        t.zero_()
+        self._user, self._used = weakref.ref(optimizer), True
+        return pager
+
+    def release(self, optimizer) -> None:
+        """``optimizer`` (closed) no longer pages the files; they stay, holding the masters."""
+        if self._user is not None and self._user() is optimizer:
+            self.pager.flush()
+            self._user = None
+
+    def close(self) -> None:
+        """Remove the files (the parameters keep their mapping of the masters: valid once the files are gone)."""
+        if self.pager is not None:
+            self.pager.close()
