@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 from .grad_home import GradHome, low_precision_units
+from .host_pages import TRIM_EVERY_BYTES, trim
 from .layout import Entry, Kind
 from .quant import QuantWork, quantize_into, quantize_tensor
 from .readiness import UnitGates
@@ -186,6 +187,7 @@ class HostStore(GradHome):
 
     def _allocate(self, sources, ranges, stored_quantized=None, on_unit=None) -> None:
         work = None  # the quantization's chunk buffers, one set for every tensor
+        filled = 0  # master bytes filled from ``sources`` since the heap was last trimmed
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
             sizes = self._sizes[u]
@@ -231,6 +233,10 @@ class HostStore(GradHome):
             self.buffers.append(bufs)
             if on_unit is not None:
                 on_unit(self, u)
+            filled += 4 * sizes.n_train if sources is not None else 0
+            if filled >= TRIM_EVERY_BYTES:  # the fills' temporaries (checkpoint reads, random draws) stay in the heap
+                trim()
+                filled = 0
         self.mark_grad_dtypes()
         logger.info(
             "host store: %d units, %.3f GiB of fp32 masters, %.3f GiB host buffers in all, pinned=%s",
