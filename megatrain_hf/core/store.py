@@ -103,7 +103,8 @@ class HostStore(GradHome):
     what reads its elements ``[first, first + n)`` into an fp32 buffer (a checkpoint read) or None
     (read the tensor); ``stored_quantized(tensor)`` what copies a tensor stored quantized already
     (``fill(format, byte_range)``), or None; ``on_unit(store, u)``, if given, runs once unit ``u``'s flats
-    are filled (the disk tier takes its masters there, before the next unit's exist). The store does not
+    are filled (the disk tier takes the masters of the units of its ``masters`` there, unpinned, before the
+    next unit's exist). The store does not
     know what a model is.
     """
 
@@ -194,7 +195,8 @@ class HostStore(GradHome):
             if u in self.remote:
                 self._slots.lay_out(u, bufs, sizes)
             elif sizes.n_train:
-                bufs.master_host = self.allocate(sizes.n_train, torch.float32)
+                leaving = u in getattr(on_unit, "masters", ())  # to disk once filled: no need to pin them
+                bufs.master_host = torch.empty(sizes.n_train) if leaving else self.allocate(sizes.n_train, torch.float32)
                 bufs.n_staged = sizes.n_staged
                 self._allocate_grads(u, bufs, sizes.n_train, sizes.n_staged)
                 if self.staging and bufs.n_staged:
