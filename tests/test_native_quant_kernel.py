@@ -8,10 +8,15 @@ absmax, bucketize on the midpoints: the count of midpoints <= x). Codes, scales,
 bf16 staging copy must be equal as bits, over several steps, on data with zeros, all-zero blocks,
 values exactly on a midpoint and one float either side, denormals, huge and tiny magnitudes,
 partial blocks, odd lengths (4-bit: a half-filled last byte), bf16 gradients and tensors spanning
-several of the kernel's work chunks.
+several of the kernel's work chunks. Both builds are checked: the AVX-512 decode / encode (where the
+CPU has it) and the scalar loops alone (``-DMEGATRAIN_SCALAR``); on NaNs, infinities, zero blocks
+and block sizes that are not a multiple of the vector width the two are compared with each other.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -22,6 +27,24 @@ from megatrain_hf.optim.quant import compress, expand, format_of
 pytestmark = pytest.mark.skipif(native.host_adamw() is None, reason="no C++ compiler to build the kernel")
 
 F32 = torch.float32
+
+
+@functools.lru_cache(maxsize=1)
+def scalar_lib():
+    return native.load(native.build(defines=("MEGATRAIN_SCALAR",)))
+
+
+def libs(name: str):
+    return native.host_adamw() if name == "simd" else scalar_lib()
+
+
+def cpu_has_avx512() -> bool:
+    with open("/proc/cpuinfo") as f:
+        flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    return {"avx512f", "avx512bw", "avx512vl"} <= set(flags)
+
+
+LIBS = ["simd", "scalar"]
 
 
 def f32(x: float) -> torch.Tensor:
@@ -77,10 +100,10 @@ def edge_values(fmt, n: int, gen: torch.Generator) -> torch.Tensor:
     return x * powers.repeat_interleave(fmt.block)[:n]
 
 
-def run_both(mode, sizes, hyper, steps, clip, grad_dtype, make_grad, threads=2):
+def run_both(mode, sizes, hyper, steps, clip, grad_dtype, make_grad, threads=2, lib_name="simd"):
     fmt = format_of(mode)
     gen = torch.Generator().manual_seed(sum(sizes) + steps)
-    lib = native.host_adamw()
+    lib = libs(lib_name)
     base = [torch.randn(n, generator=gen) * 10.0 ** float(torch.randint(-3, 3, ())) for n in sizes]
     states = []
     for _ in range(2):
@@ -127,18 +150,98 @@ def hyper_of(beta1, beta2, step=1, lr=1e-3, wd=0.1, eps=1e-8):
 SIZES = [1, 2, 3, 127, 129, 256, 255, 1000, 4 * 256 + 7]
 
 
+@pytest.mark.parametrize("lib_name", LIBS)
 @pytest.mark.parametrize("mode", ["8bit", "4bit"])
-def test_edge_values_on_midpoints(mode):
+def test_edge_values_on_midpoints(mode, lib_name):
     """beta1 = 0: exp_avg is the gradient itself, so the codes see exact midpoints and their neighbours."""
-    run_both(mode, SIZES, hyper_of(0.0, 0.999), 2, 1.0, torch.float32, edge_values)
+    run_both(mode, SIZES, hyper_of(0.0, 0.999), 2, 1.0, torch.float32, edge_values, lib_name=lib_name)
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["8bit", "4bit"])
-def test_random_steps(mode, grad_dtype):
+def test_random_steps(mode, grad_dtype, lib_name="simd"):
     """Several steps from a random state with the usual betas and clipping; one tensor spans two work
-    chunks (the bf16 gradient path updates a view that starts inside the codes)."""
+    chunks (the bf16 gradient path updates a view that starts inside the codes). The default build
+    only: the scalar one matches it bit for bit (test_vector_matches_scalar_bitwise)."""
     def grad(fmt, n, gen):
         return torch.randn(n, generator=gen) * 10.0 ** torch.randint(-8, 2, (n,), generator=gen).float()
 
-    run_both(mode, SIZES + [(1 << 18) + 3 * 128 + 1], hyper_of(0.9, 0.95, step=3), 3, 0.37, grad_dtype, grad)
+    run_both(mode, SIZES + [(1 << 18) + 3 * 128 + 1], hyper_of(0.9, 0.95, step=3), 3, 0.37, grad_dtype, grad,
+             lib_name=lib_name)
+
+
+def test_builds_differ_where_the_cpu_allows():
+    """The default build takes the AVX-512 path exactly where the CPU has it; the scalar one never."""
+    assert native.host_adamw().megatrain_simd() == int(cpu_has_avx512())
+    assert scalar_lib().megatrain_simd() == 0
+
+
+def hostile_grad(fmt, n, gen):
+    """Magnitudes over 60 decades, ~2 % NaN, ~1 % +-inf, zeros, denormals; whole blocks of zeros and
+    of NaNs; the last block (partial where the block does not divide n) random."""
+    g = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-40, 20, (n,), generator=gen).float()
+    pick = torch.rand(n, generator=gen)
+    g[pick < 0.02] = float("nan")
+    g[(pick >= 0.02) & (pick < 0.025)] = float("inf")
+    g[(pick >= 0.025) & (pick < 0.03)] = -float("inf")
+    g[(pick >= 0.03) & (pick < 0.05)] = 0.0
+    g[(pick >= 0.05) & (pick < 0.06)] = 1e-41
+    blocks = fmt.blocks(n)
+    if blocks > 2:
+        g[fmt.block: 2 * fmt.block] = 0.0
+        g[2 * fmt.block: 3 * fmt.block] = float("nan")
+    return g
+
+
+def random_state(fmt, mode, n, gen):
+    codes = [torch.randint(256, (fmt.code_bytes(n),), generator=gen, dtype=torch.uint8) for _ in (0, 1)]
+    if mode == "4bit" and n % 2:
+        for c in codes:
+            c[-1] &= 0x0F
+    scales = []
+    for _ in (0, 1):
+        s = torch.rand(fmt.blocks(n), generator=gen) * 10.0 ** torch.randint(-40, 30, (fmt.blocks(n),), generator=gen)
+        s[::4] = 0.0
+        s[1::7] = float("inf")  # expands to +-inf, or NaN where the code's map value is 0
+        scales.append(s)
+    return codes, scales
+
+
+@pytest.mark.skipif(not cpu_has_avx512(), reason="no AVX-512: both builds are the scalar loops")
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode,block", [("8bit", 256), ("8bit", 30), ("8bit", 4096), ("8bit", 2),
+                                        ("4bit", 128), ("4bit", 34), ("4bit", 62), ("4bit", 4096)])
+def test_vector_matches_scalar_bitwise(mode, block, grad_dtype):
+    """Three steps of both builds from the same hostile state: codes, scales, parameters and the bf16
+    staging copy equal as bits, NaNs included; tensor lengths around the vector widths and the block,
+    one spanning two work chunks."""
+    fmt = dataclasses.replace(format_of(mode), block=block)
+    gen = torch.Generator().manual_seed(block + (grad_dtype == torch.bfloat16))
+    sizes = [1, 2, 3, 15, 16, 17, 31, 32, 33, 63, block - 1, block + 1, 3 * block + 5, (1 << 18) + 77]
+    sizes = [n for n in sizes if n > 0]
+    params = [torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 3, (n,), generator=gen).float() for n in sizes]
+    states = [random_state(fmt, mode, n, gen) for n in sizes]
+    runs = []
+    for lib in (native.host_adamw(), scalar_lib()):
+        runs.append(([p.clone() for p in params],
+                     tuple([st[0][k].clone() for st in states] for k in (0, 1)),
+                     tuple([st[1][k].clone() for st in states] for k in (0, 1)), lib))
+    hyper = hyper_of(0.9, 0.999, step=2)
+    for step in range(3):
+        grads = [hostile_grad(fmt, n, gen).to(grad_dtype) for n in sizes]
+        staged = []
+        for p, codes, scales, lib in runs:
+            stages = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+            scalars = {k: [v] * len(sizes) for k, v in hyper.items()}
+            native.adamw_compressed(lib, p, grads, codes, scales, stages, scalars, fmt, 0.37, False, 2)
+            staged.append(stages)
+        (pv, cv, sv, _), (ps, cs, ss, _) = runs
+        for i, n in enumerate(sizes):
+            where = f"{mode} block {block} step {step} tensor {i} ({n})"
+            assert torch.equal(pv[i].view(torch.int32), ps[i].view(torch.int32)), where
+            assert torch.equal(staged[0][i].view(torch.int16), staged[1][i].view(torch.int16)), where
+            for k in (0, 1):
+                assert torch.equal(cv[k][i], cs[k][i]), (where, k)
+                assert torch.equal(sv[k][i].view(torch.int32), ss[k][i].view(torch.int32)), (where, k)
+    # the data really was hostile: some blocks saw infinite moments
+    assert any(bool(torch.isinf(s).any()) for s in runs[0][2][0])

@@ -2,8 +2,10 @@
 
 It is plain C++ (no torch headers), compiled with the system compiler (``$CXX``, else ``c++``)
 for this machine's CPU (``-march=native``) into ``$MEGATRAIN_CACHE`` (default
-``~/.cache/megatrain_hf``), named by a hash of the source, the flags and the CPU, so a shared home
-directory never hands one machine another's build. Building takes about a second; if it fails
+``~/.cache/megatrain_hf``), named by a hash of the sources (``csrc/*``), the flags and the CPU, so a shared home
+directory never hands one machine another's build. On a CPU with AVX-512 the compressed update's
+decode and encode are vectorised (``csrc/quant_avx512.h``); ``build(defines=("MEGATRAIN_SCALAR",))``
+builds the scalar loops alone, bitwise the same (the tests compare the two). Building takes about a second; if it fails
 (no compiler), :func:`host_adamw` returns None with one warning and HostAdamW uses torch's kernel.
 """
 
@@ -48,10 +50,17 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain_hf")
 
 
-def build(path: Path | None = None) -> Path:
-    """Compile the kernel (if not cached) and return the shared library's path; raises on failure."""
+def _sources() -> bytes:
+    """host_adamw.cpp and the headers it includes, named and in a fixed order."""
+    return b"".join(p.name.encode() + p.read_bytes() for p in sorted(SOURCE.parent.iterdir()) if p.is_file())
+
+
+def build(path: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
+    """Compile the kernel (if not cached) and return the shared library's path; raises on failure.
+    ``defines``: preprocessor macros (``-D``), part of the cache key."""
     compiler = os.environ.get("CXX", "c++")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS, _cpu_tag())).encode()).hexdigest()[:16]
+    flags = (*FLAGS, *(f"-D{d}" for d in defines))
+    key = hashlib.sha256(_sources() + " ".join((compiler, *flags, _cpu_tag())).encode()).hexdigest()[:16]
     target = path or _cache_dir() / f"host_adamw-{key}.so"
     if target.exists():
         return target
@@ -59,7 +68,7 @@ def build(path: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent build never sees a partial file
@@ -77,10 +86,17 @@ _FLOATS = ctypes.POINTER(ctypes.c_float)
 def host_adamw() -> ctypes.CDLL | None:
     """The loaded kernel library, or None (logged once) if it cannot be built here."""
     try:
-        lib = ctypes.CDLL(str(build()))
+        return load(build())
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         logger.warning("megatrain: native host AdamW kernel unavailable (%s); using torch's fused kernel", exc)
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built kernel library with its entry points typed (raises OSError if it cannot be loaded)."""
+    lib = ctypes.CDLL(str(path))
+    lib.megatrain_simd.restype = ctypes.c_int
+    lib.megatrain_simd.argtypes = []
     fn = lib.megatrain_adamw
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_int64, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, _PTRS, ctypes.POINTER(ctypes.c_int64)] + [

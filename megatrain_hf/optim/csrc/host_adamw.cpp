@@ -23,6 +23,15 @@
 #include <algorithm>
 #include <atomic>
 
+// The compressed update's decode and encode in AVX-512 (quant_avx512.h), unless built with
+// -DMEGATRAIN_SCALAR (the tests compare both builds bit for bit).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(MEGATRAIN_SCALAR)
+#define MEGATRAIN_AVX512 1
+#include <immintrin.h>
+#else
+#define MEGATRAIN_AVX512 0
+#endif
+
 namespace {
 
 struct Tensor {
@@ -150,68 +159,41 @@ inline float from_bits(uint32_t bits) {
 
 inline float bf16_to_float(uint16_t b) { return from_bits(static_cast<uint32_t>(b) << 16); }
 
-// A code is the count of midpoints <= x (sorted midpoints; a NaN x gets 0). The count is found from
-// a table indexed by the top 16 bits of x (sign, exponent, 7 mantissa bits): the floats sharing
-// them form one interval, and the table holds the count at its lowest value (0 for the intervals of
-// infinities and NaNs), a lower bound of every count in it. Counting up from there with the
-// midpoints themselves (mid[n - 1] is a NaN sentinel, never <= x) gives the exact count: at most one
-// midpoint falls inside an interval of the 8-bit and 4-bit maps, so the loop after the first step
-// is almost never entered.
-struct CodeTable {
-  uint8_t start[1 << 16];
-  float mid[256];
-};
+#include "quant_codes.h"
 
-void build_table(const float* mid, int n_codes, CodeTable& t) {
-  std::memset(t.start, 0, sizeof t.start);
-  for (int i = 0; i + 1 < n_codes; ++i) t.mid[i] = mid[i];
-  t.mid[n_codes - 1] = std::nanf("");
-  int c = 0;  // positive intervals (exponent < 255), lowest value key << 16, increasing with the key
-  for (uint32_t key = 0; key < 0x7F80u; ++key) {
-    const float lo = from_bits(key << 16);
-    while (c + 1 < n_codes && mid[c] <= lo) ++c;
-    t.start[key] = static_cast<uint8_t>(c);
-  }
-  c = 0;  // negative ones: lowest value (key << 16) | 0xFFFF, increasing as the key decreases
-  for (uint32_t key = 0xFF7Fu; key >= 0x8000u; --key) {
-    const float lo = from_bits((key << 16) | 0xFFFFu);
-    while (c + 1 < n_codes && mid[c] <= lo) ++c;
-    t.start[key] = static_cast<uint8_t>(c);
-  }
-}
-
-inline int find_code(const CodeTable& t, float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  int code = t.start[bits >> 16];
-  code += t.mid[code] <= x;
-  while (t.mid[code] <= x) ++code;
-  return code;
-}
+#if MEGATRAIN_AVX512
+#include "quant_avx512.h"
+#endif
 
 constexpr int64_t kMaxBlock = 4096;
 
 // One block of moment values (new, in place: x) into codes and its scale: absmax, x / absmax, codes.
-// The absmax skips NaNs and is exact in any order (max of a set), so it runs in 8 lanes.
+// The absmax skips NaNs and is exact in any order (max of a set), so it runs in lanes. With AVX-512
+// the whole vectors are done by encode_avx512 and the loops below finish the tail from j0.
 void encode_block(const CodeTable& t, int bits, float* __restrict x, int64_t nb, uint8_t* __restrict c, float& scale) {
+  int64_t j = 0, j0 = 0;
+#if MEGATRAIN_AVX512
+  const float a = absmax_avx512(x, nb);
+  j0 = encode_avx512(t, bits, x, nb, a, c);
+#else
   float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t j = 0;
   for (; j + 8 <= nb; j += 8)
     for (int l = 0; l < 8; ++l) lane[l] = std::max(lane[l], std::fabs(x[j + l]));
   float a = 0.0f;
   for (; j < nb; ++j) a = std::max(a, std::fabs(x[j]));
   for (int l = 0; l < 8; ++l) a = std::max(a, lane[l]);
+#endif
   scale = a;
   if (a > 0.0f) {
-    for (j = 0; j < nb; ++j) x[j] = x[j] / a;
+    for (j = j0; j < nb; ++j) x[j] = x[j] / a;
   } else {
-    for (j = 0; j < nb; ++j) x[j] = 0.0f;
+    for (j = j0; j < nb; ++j) x[j] = 0.0f;
   }
   if (bits == 8) {
-    for (j = 0; j < nb; ++j) c[j] = static_cast<uint8_t>(find_code(t, x[j]));
+    for (j = j0; j < nb; ++j) c[j] = static_cast<uint8_t>(find_code(t, x[j]));
     return;
   }
-  for (j = 0; j + 1 < nb; j += 2) c[j >> 1] = static_cast<uint8_t>(find_code(t, x[j]) | (find_code(t, x[j + 1]) << 4));
+  for (j = j0; j + 1 < nb; j += 2) c[j >> 1] = static_cast<uint8_t>(find_code(t, x[j]) | (find_code(t, x[j + 1]) << 4));
   if (j < nb) c[j >> 1] = static_cast<uint8_t>(find_code(t, x[j]));  // an odd tail: the high nibble stays 0
 }
 
@@ -260,14 +242,24 @@ void update_compressed(const QTensor& q, const Format& f, const CodeTable* table
     if (f.bits == 8) {
       const uint8_t* __restrict a = cm + b0;
       const uint8_t* __restrict b = cv + b0;
-      for (int64_t j = 0; j < nb; ++j) {
+      int64_t j = 0;
+#if MEGATRAIN_AVX512
+      j = decode8_avx512(map_m, a, sm, nm, nb);
+      decode8_avx512(map_v, b, sv, nv, nb);
+#endif
+      for (; j < nb; ++j) {
         nm[j] = map_m[a[j]] * sm;
         nv[j] = map_v[b[j]] * sv;
       }
     } else {
       const uint8_t* __restrict a = cm + (b0 >> 1);
       const uint8_t* __restrict b = cv + (b0 >> 1);
-      for (int64_t j = 0; j < nb; j += 2) {  // nm / nv have room for an odd block's extra element
+      int64_t j = 0;
+#if MEGATRAIN_AVX512
+      j = decode4_avx512(map_m, a, sm, nm, nb);
+      decode4_avx512(map_v, b, sv, nv, nb);
+#endif
+      for (; j < nb; j += 2) {  // nm / nv have room for an odd block's extra element
         nm[j] = map_m[a[j >> 1] & 0x0F] * sm;
         nm[j + 1] = map_m[a[j >> 1] >> 4] * sm;
         nv[j] = map_v[b[j >> 1] & 0x0F] * sv;
@@ -318,6 +310,15 @@ inline QTensor view_from(const QTensor& q, const Format& f, int64_t a, const flo
 }  // namespace
 
 extern "C" {
+
+// 1 if the compressed update's decode and encode run on AVX-512 (else the scalar loops only).
+int megatrain_simd() {
+#if MEGATRAIN_AVX512
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // Update `n` tensors with up to `threads` threads. The concatenated element space is cut into
 // chunks of kChunk elements that the threads take in turn from a shared counter, so a thread that
