@@ -163,6 +163,9 @@ def test_offload_dir_missing_or_a_file_is_refused(tmp_path):
         MegaTrainConfig(offload_dir=str(tmp_path / "f"))
     with pytest.raises(ValueError, match=r"MegaTrainConfig.offload_state='masters'; allowed: 'auto', 'moments' or 'all'"):
         MegaTrainConfig(offload_state="masters")
+    for bad in (1, 0, True, "4"):
+        with pytest.raises(ValueError, match=rf"MegaTrainConfig.offload_window={bad!r}; allowed: an int >= 2"):
+            MegaTrainConfig(offload_window=bad)
 
 
 def test_offload_dir_with_an_optimizer_that_is_not_adamw_is_refused(tmp_path):
@@ -381,6 +384,14 @@ def test_estimate_prints_the_disk_tier(tmp_path, capsys):
     assert 0 < layers < 32
     assert estimate_main(["--model", "llama-7b", "--offload-dir", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    # offload_window: the RAM window is that many slots of the largest unit's state
+    assert estimate_main(["--model", "llama-7b", "--offload-dir", str(tmp_path), "--disk-gib", "60",
+                          "--host-gib", "80", "--offload-window", "2", "--json"]) == 0
+    two = json.loads(capsys.readouterr().out)["disk_tier"]
+    assert two["window_slots"] == 2 and d["window_slots"] == 4 and 2 * two["ram_window_bytes"] == d["ram_window_bytes"]
+    assert two["host_ram_bytes"] == d["host_ram_bytes"] - two["ram_window_bytes"]
+    assert estimate_main(["--model", "llama-7b", "--offload-dir", str(tmp_path), "--offload-window", "1"]) == 2
+    assert "--offload-window 1" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", ["8bit", "4bit"])

@@ -69,6 +69,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offload-state", choices=["auto", "moments", "all"], default="auto",
                         help="with --offload-dir: 'all' plans the fp32 masters of the matrices on disk too "
                              "(MegaTrainConfig.offload_state; needs bf16 compute and the host staging copy)")
+    parser.add_argument("--offload-window", type=int, default=4, metavar="N",
+                        help="with --offload-dir: the disk tier's RAM slots (MegaTrainConfig.offload_window, >= 2)")
     parser.add_argument("--disk-gib", type=float, default=None,
                         help="with --offload-dir: plan against this much free disk instead of DIR's free space")
     parser.add_argument("--world-size", type=int, default=1,
@@ -191,8 +193,11 @@ def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int) ->
         raise ValueError("--offload-state all puts the fp32 masters on disk, which needs the bf16 staging copy "
                          "that the device streams instead of them. Fix: --dtype bf16 without "
                          "--no-host-staging, or --offload-state moments.")
-    tier = disk.shape_tier(shape, plan.compute_dtype, args.lora_rank, optimizer_state=plan.optimizer_state,
-                           masters=masters)
+    if args.offload_window < 2:
+        raise ValueError(f"--offload-window {args.offload_window}: must be >= 2 (the unit updating and the one "
+                         "written back behind it). Fix: --offload-window 4, the default.")
+    tier = disk.shape_tier(shape, plan.compute_dtype, args.lora_rank, window=args.offload_window,
+                           optimizer_state=plan.optimizer_state, masters=masters)
     ram = disk.ram_with_tier(plan, tier)
 
     def plan_of(s: ModelShape) -> MemoryPlan:
@@ -203,11 +208,12 @@ def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int) ->
                            lora_rank=args.lora_rank, optimizer_state=plan.optimizer_state,
                            grad_dtype=plan.grad_dtype)
 
-    layers, params = disk.deepest_with_tier(shape, ram_available, free, plan_of, masters=masters)
+    layers, params = disk.deepest_with_tier(shape, ram_available, free, plan_of, masters=masters,
+                                            window=args.offload_window)
     return {
         "optimizer_state": plan.optimizer_state, "offload_state": args.offload_state,
         "masters_on_disk_bytes": tier.master_bytes,
-        "disk_bytes": tier.disk_bytes, "ram_window_bytes": tier.ram_bytes, "window_slots": disk.DEFAULT_WINDOW,
+        "disk_bytes": tier.disk_bytes, "ram_window_bytes": tier.ram_bytes, "window_slots": args.offload_window,
         "host_ram_bytes": ram, "host_ram_required_bytes": ram + DEFAULT_HEADROOM_BYTES,
         "host_ram_available_bytes": ram_available, "disk_free_bytes": free, "disk_source": where,
         "disk_required_bytes": tier.disk_bytes + disk.DISK_HEADROOM_BYTES,

@@ -187,7 +187,8 @@ def ram_with_tier(plan, tier: DiskTier) -> int:
     return plan.host_total - plan.host_exp_avg - plan.host_exp_avg_sq - tier.master_bytes + tier.ram_bytes
 
 
-def deepest_with_tier(shape, ram_available: int, disk_free: int, plan_of, masters: bool = False) -> tuple[int, int]:
+def deepest_with_tier(shape, ram_available: int, disk_free: int, plan_of, masters: bool = False,
+                      window: int = DEFAULT_WINDOW) -> tuple[int, int]:
     """The most layers of ``shape`` that RAM + disk hold: the moments that RAM cannot keep go to disk
     (``offload_state="auto"``, a unit at a time), or with ``masters`` every unit's moments and staged
     masters (``offload_state="all"``); (layers, params).
@@ -196,10 +197,10 @@ def deepest_with_tier(shape, ram_available: int, disk_free: int, plan_of, master
     a bisection finds it (0 when not even one layer fits)."""
     def fits(layers: int) -> bool:
         plan = plan_of(shape.with_layers(layers))
-        tier = shape_tier(plan.shape, plan.compute_dtype, plan.lora_rank, optimizer_state=plan.optimizer_state,
-                          masters=masters)
+        tier = shape_tier(plan.shape, plan.compute_dtype, plan.lora_rank, window=window,
+                          optimizer_state=plan.optimizer_state, masters=masters)
         base = ram_with_tier(plan, tier) + host_memory.DEFAULT_HEADROOM_BYTES  # every moment on disk
-        slot = tier.ram_bytes // DEFAULT_WINDOW
+        slot = tier.ram_bytes // window
         to_disk = max(0, base + tier.disk_bytes - ram_available)  # moments RAM cannot keep
         to_disk = min(tier.disk_bytes, -(-to_disk // slot) * slot if to_disk else 0)  # whole units (at most)
         to_disk = tier.disk_bytes if masters else to_disk
