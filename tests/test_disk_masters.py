@@ -135,8 +135,9 @@ def test_eight_bit_moments_and_masters_on_disk_equal_the_in_ram_run(tmp_path, ke
     options = dict(optimizer_state="8bit", host_adamw_kernel=kernel)
     _, ref, ref_losses = _run(tmp_path, "ram", options=options)
     trainer, got, losses = _run(tmp_path, "all", "all", options=options)
-    optimizer, _, units = _paged(trainer)
+    optimizer, store, units = _paged(trainer)
     assert units and optimizer.moments.nbytes() == 0
+    assert optimizer._pager is store.disk_tier.pager  # the attach tier's files, laid out for 8-bit moments
     assert got._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))

@@ -470,3 +470,19 @@ def test_stale_run_directories_are_removed_only_when_their_process_is_gone(tmp_p
     (foreign / "notes.txt").write_text("mine")
     assert remove_stale_run_dirs(str(tmp_path)) == [str(dead)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([alive.name, foreign.name])
+
+
+def test_the_disk_check_counts_the_space_of_stale_run_directories_as_free(tmp_path, monkeypatch):
+    """A run killed without its exit handlers (SIGKILL, os._exit) leaves its files; the next run's plan measures the
+    free space after removing them, so they do not make it refuse."""
+    from megatrain_hf.memory import disk
+
+    child = subprocess.Popen(["sleep", "0"])
+    child.wait()
+    dead = tmp_path / f"{RUN_DIR_PREFIX}{child.pid}-abc"
+    dead.mkdir()
+    (dead / "unit-00000.state").write_bytes(b"x" * 4096)
+    seen = []
+    monkeypatch.setattr(disk, "disk_free_bytes", lambda path: seen.append(os.listdir(path)) or 10 * 2**30)
+    disk.check_disk(str(tmp_path), 2**30)
+    assert seen == [[]] and not dead.exists()

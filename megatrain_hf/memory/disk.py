@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.disk_io import ALIGN, align_up, check_offload_dir
+from ..core.disk_io import ALIGN, align_up, check_offload_dir, remove_stale_run_dirs
 from ..core.layout import UnitSizes, moment_bytes, moment_parts
 from . import host as host_memory
 from .host import GiB, gib
@@ -66,9 +66,12 @@ def disk_free_bytes(path: str) -> int:
 
 
 def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
-    """Raise ``MemoryError`` with the arithmetic unless ``needed`` + headroom fit in ``offload_dir``'s free space."""
+    """Raise ``MemoryError`` with the arithmetic unless ``needed`` + headroom fit in ``offload_dir``'s free space
+    (measured once the run directories of processes no longer alive are removed: their space is this run's)."""
     path = check_offload_dir(offload_dir)
-    free = disk_free_bytes(path) if free is None else free
+    if free is None:
+        remove_stale_run_dirs(path)
+        free = disk_free_bytes(path)
     if needed + DISK_HEADROOM_BYTES <= free:
         return
     raise MemoryError(

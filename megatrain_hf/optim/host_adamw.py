@@ -159,6 +159,10 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         # step keeps its count (and its bias correction)
         self._steps: dict[tuple[int, int], list[torch.Tensor]] = {}
         specs = {u: self.state_spec(u) for u in self._plan}
+        if self.offload_dir is None and self.store.disk_tier is not None:
+            logger.warning("megatrain: the masters of this model are on disk (offload_state='all'), but this HostAdamW "
+                           "has no offload_dir: the update reads and writes them through their mapping. Fix: pass "
+                           "offload_dir= and offload_masters= as the engine's config has them.")
         if self.offload_dir is not None:
             from .attach_tier import tier_layout
             from .paged_state import DEFAULT_WINDOW, PagedState, master_units, move_masters
