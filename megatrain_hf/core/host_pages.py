@@ -31,8 +31,9 @@ TRIM_EVERY_BYTES = 128 * 2**20
 """The CPU path trims the heap once units of this many bytes in all were fetched since the last trim:
 ``malloc_trim`` walks the whole heap (tens of ms), worth it after large units, not after every small one."""
 
-MMAP_THRESHOLD_BYTES = 2**20
-"""Allocations from this size up are mapped, given back at free, on the CPU path (:func:`mmap_large`)."""
+MMAP_THRESHOLD_BYTES = 128 * 2**10
+"""Allocations from this size up are mapped, given back at free, on the CPU path (:func:`mmap_large`): glibc's
+initial threshold, kept from rising (a higher one, 1 MiB, left 0.4 GB of the 8-bit state's build in the heap)."""
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _MADV_DONTNEED = 4  # Linux
