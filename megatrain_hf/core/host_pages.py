@@ -33,7 +33,7 @@ TRIM_EVERY_BYTES = 128 * 2**20
 
 MMAP_THRESHOLD_BYTES = 128 * 2**10
 """Allocations from this size up are mapped, given back at free, on the CPU path (:func:`mmap_large`): glibc's
-initial threshold, kept from rising (a higher one, 1 MiB, left 0.4 GB of the 8-bit state's build in the heap)."""
+initial threshold, kept from rising (1 MiB measured the same on the 558 M benchmark, docs/log.md)."""
 
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 _MADV_DONTNEED = 4  # Linux
