@@ -36,6 +36,22 @@ def test_trim_runs_or_says_it_cannot():
     assert isinstance(host_pages.trim(), bool)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_mmap_large_gives_freed_blocks_back_at_once():
+    """Without it glibc serves blocks below its raised threshold from the heap, resident after free."""
+    assert host_pages.mmap_large()
+    t = torch.ones(2**21)  # a mapped 8 MiB block freed: glibc's default threshold would rise to it
+    del t
+    before = _rss_kib()
+    blocks, kept = [], []
+    for _ in range(32):
+        blocks.append(torch.ones(2**20))  # 4 MiB
+        kept.append(torch.ones(2**14))  # 64 KiB from the heap between them, kept
+    assert _rss_kib() - before > 128 * 1024
+    del blocks
+    assert _rss_kib() - before < 16 * 1024  # the 4 MiB blocks went back; the kept 2 MiB stay
+
+
 def test_the_cpu_path_trims_after_enough_bytes_only(monkeypatch):
     """malloc_trim walks the heap: once per TRIM_EVERY_BYTES of units computed, not after every small unit."""
     from helpers import tiny_model
@@ -47,6 +63,8 @@ def test_the_cpu_path_trims_after_enough_bytes_only(monkeypatch):
     monkeypatch.setattr(streamer.host_pages, "trim", lambda: calls.append(1) or True)
     model = tiny_model("llama")
     engine = attach(model, MegaTrainConfig(), device="cpu")
+    assert calls == [1]  # once at attach: what filling the store left in the heap
+    calls.clear()
     ids = torch.randint(0, model.config.vocab_size, (1, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     assert calls == []  # the tiny model's units are far below the threshold

@@ -127,9 +127,16 @@ class GradHome:
             grad_host = grad_host.to("cpu")
         # copy_/add_ convert a bf16 gradient to fp32 on the fly (no temporary fp32 copy)
         if param.grad is None:
-            region.copy_(grad_host)
+            if not _is_region(grad_host, region):  # else computed in the accumulator (runtime/landing.py)
+                region.copy_(grad_host)
             param.grad = region.view(entry.shape)
         elif param.grad.data_ptr() == region.data_ptr():
             region.add_(grad_host)
         else:  # the user replaced .grad with a tensor of their own
             param.grad.add_(grad.detach().to(param.grad.device, param.grad.dtype).view(entry.shape))
+
+
+def _is_region(grad: torch.Tensor, region: torch.Tensor) -> bool:
+    """Whether ``grad`` is the accumulator region itself (nothing to copy)."""
+    return (grad.data_ptr() == region.data_ptr() and grad.dtype == region.dtype and grad.numel() == region.numel()
+            and grad.device == region.device)

@@ -67,6 +67,9 @@ class Streamer:
         self._quantized = [[e for e in entries if e.quant is not None] for entries in store.entries]
         self._dequantized: tuple[_Upload, dict[str, torch.Tensor]] | None = None  # of the resident unit
         self._untrimmed = 0  # bytes of units computed on the host since the heap was last trimmed
+        if streams is None:  # large temporaries (gradients, activations) go back to the OS when freed, and
+            host_pages.mmap_large()  # what filling the store left in the heap goes before the optimizer's state
+            host_pages.trim()
 
     def _generation(self, u: int) -> tuple[int, ...]:
         generation = self.store.gates.generation

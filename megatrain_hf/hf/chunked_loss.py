@@ -50,15 +50,19 @@ class ChunkedLMLoss:
     def _flat(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x.reshape(-1, x.shape[-1]), self.labels.to(x.device)
 
-    def _logits(self, h: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _logits(self, h: torch.Tensor, tensors: dict[str, torch.Tensor], linear: list | None = None) -> torch.Tensor:
         logits = F.linear(h, tensors[self.weight], tensors.get(self.bias))
+        if linear is not None:  # the head matmul's output, for its gradient
+            linear.append(logits)
         if self.softcap is not None:  # as Gemma 2/3's forward does, in the logits' dtype
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()
 
-    def _chunk_loss(self, h: torch.Tensor, labels: torch.Tensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _chunk_loss(self, h: torch.Tensor, labels: torch.Tensor, tensors: dict[str, torch.Tensor],
+                    linear: list | None = None) -> torch.Tensor:
         # every token of the chunk, ignored ones included (they add 0), as HF's cross_entropy sums
-        return F.cross_entropy(self._logits(h, tensors), labels, ignore_index=self.ignore_index, reduction="sum")
+        return F.cross_entropy(self._logits(h, tensors, linear), labels, ignore_index=self.ignore_index,
+                               reduction="sum")
 
     def _scale(self, total: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.denominator is None:  # cross_entropy's "mean": nan without labelled tokens, as in HF
@@ -77,35 +81,62 @@ class ChunkedLMLoss:
             total = loss if total is None else total + loss
         return self._scale(total, labels)
 
+    lands_in_place = True  # backward takes ``into`` (runtime/landing.py)
+
     def backward(
-        self, x: torch.Tensor, tensors: dict[str, torch.Tensor], leaves: list[str], grad_out: torch.Tensor
+        self, x: torch.Tensor, tensors: dict[str, torch.Tensor], leaves: list[str], grad_out: torch.Tensor,
+        into: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
-        """Gradients of ``loss * grad_out`` w.r.t. the hidden states and the ``leaves`` tensors."""
+        """Gradients of ``loss * grad_out`` w.r.t. the hidden states and the ``leaves`` tensors.
+
+        ``into``: fp32 tensors (the host accumulators, shaped like the leaves) that the sums of the
+        leaves they name are computed in, and returned as: the first chunk's gradient copied, the next
+        added, the same fp32 arithmetic as a sum of its own. With fp32 compute the weight's first chunk
+        gradient is written there by the product itself: autograd's ``grad.t().mm(h)`` of the head
+        matmul, taken from the logits' gradient (no temporary of the weight's size)."""
+        into = into or {}
         hidden, labels = self._flat(x)
         # d(loss)/d(a chunk's summed cross-entropy) x grad_out, as autograd computes it through the division
         seed = self._scale(grad_out.to(torch.float32).reshape(()), labels)
         grad_hidden = torch.empty_like(hidden) if x.requires_grad else None
         sums: dict[str, torch.Tensor] = {}
+        weight = tensors.get(self.weight)
+        direct = (self.weight in into and self.weight in leaves and weight.dtype == hidden.dtype == torch.float32
+                  and weight.is_contiguous() and not torch.is_autocast_enabled(hidden.device.type))
+        if direct:  # the weight enters the graph detached; its gradient is computed below
+            tensors = {**tensors, self.weight: weight.detach()}
+            leaves = [name for name in leaves if name != self.weight]
         params = [tensors[name] for name in leaves]
         for start in range(0, hidden.shape[0], self.chunk_tokens):
             stop = start + self.chunk_tokens
-            h = hidden[start:stop].detach().requires_grad_(grad_hidden is not None)
+            h = hidden[start:stop].detach().requires_grad_(grad_hidden is not None or direct)
             with torch.enable_grad():
-                loss = self._chunk_loss(h, labels[start:stop], tensors)
-                inputs = ([h] if grad_hidden is not None else []) + params
+                linear: list[torch.Tensor] = []
+                loss = self._chunk_loss(h, labels[start:stop], tensors, linear)
+                inputs = ([h] if grad_hidden is not None else []) + params + (linear if direct else [])
                 grads = torch.autograd.grad(loss, inputs, seed, allow_unused=True)
             if grad_hidden is not None:
                 grad_hidden[start:stop] = grads[0]
                 grads = grads[1:]
+            if direct:
+                *grads, grad_logits = grads
+                product = (grad_logits.t(), h.detach())
+                if self.weight in sums:
+                    sums[self.weight].add_(torch.mm(*product))
+                else:
+                    sums[self.weight] = torch.mm(*product, out=into[self.weight])
+                del product, grad_logits
             for name, g in zip(leaves, grads):
                 if g is None:
                     continue
                 if name in sums:
                     sums[name].add_(g)  # fp32 += (bf16 or fp32): exact conversion, one rounding
+                elif name in into:  # the accumulator is the sum: no fp32 copy of a bf16 gradient besides it
+                    sums[name] = into[name].copy_(g)
                 else:  # autograd's own fresh tensor: kept as the sum (fp32) instead of copied once more
                     sums[name] = g if g.dtype == torch.float32 else g.to(torch.float32)
             g = None
-            del h, loss, inputs, grads  # this chunk's graph and gradients go before the next chunk's
+            del h, loss, inputs, grads, linear  # this chunk's graph and gradients go before the next chunk's
         return (grad_hidden.view_as(x) if grad_hidden is not None else None), sums
 
 

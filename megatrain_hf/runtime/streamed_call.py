@@ -46,6 +46,7 @@ from ..core.streamer import Streamer
 from ..core.template import HookRecord, Mirror, Template
 from .autocast import autocast_state
 from .checkpoints import Checkpoints
+from .landing import embedding_weights, embeddings_into, landing_regions
 from .tiling import tileable_mlp, tiled
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,10 @@ class Unit:
     mirror: Mirror
     trainable: list[Entry]  # every trainable tensor the unit computes with (a tied one included)
     frozen: list[Entry]
+    embeddings: frozenset[str] = frozenset()  # names of its nn.Embedding weights (runtime/landing.py)
+
+    def __post_init__(self) -> None:
+        self.embeddings = embedding_weights(self.module)
 
 
 @dataclass
@@ -269,16 +274,19 @@ class UnitRunner(Checkpoints):
                 tensors[e.name] = leaf
                 leaves.append(leaf)
             x_grad = x.is_floating_point() and x.requires_grad
+            into = landing_regions(self.grads, call.unit, trained)  # the CPU path: computed in the accumulators
             if call.kernel is not None:  # the kernel recomputes chunk by chunk itself
                 if call.unit > 0:
                     self.streamer.prefetch(call.unit - 1)
+                landing = {"into": into} if into and getattr(call.kernel, "lands_in_place", False) else {}
                 with self._autocast(call.autocast):
-                    grad_x, sums = call.kernel.backward(x, tensors, [e.name for e in trained], grad_out)
+                    grad_x, sums = call.kernel.backward(x, tensors, [e.name for e in trained], grad_out, **landing)
                 grads = (grad_x, *[sums.get(e.name) for e in trained])
                 x_grad = True
             else:
                 x_in = x.detach().requires_grad_(x_grad)
-                with torch.enable_grad(), self._autocast(call.autocast):
+                into = {name: r for name, r in into.items() if name in unit.embeddings}
+                with torch.enable_grad(), self._autocast(call.autocast), embeddings_into(tensors, into):
                     out = self.compute(call, x_in, tensors, recompute=True)
                 outputs, seeds = [out], [grad_out]
                 if call.seen_at:
