@@ -68,6 +68,16 @@ def test_masters_on_disk_equal_the_in_ram_run(tmp_path, kernel, accumulation):
     assert_same_state(state_of(ref), state_of(got))  # still readable after the files are removed
 
 
+def _step(model, opt, seed: int) -> float:
+    """One optimizer step of a hand-written loop on random tokens drawn from ``seed``; its loss."""
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 def _hand_run(offload_dir, window=None, optimizers=1, steps=3):
     """A hand-written loop on an attached model: ``optimizers`` HostAdamW one after the other (each closed
     before the next is built: a fresh optimizer's moments are zero), ``steps`` steps each."""
@@ -82,13 +92,7 @@ def _hand_run(offload_dir, window=None, optimizers=1, steps=3):
         opt = HostAdamW(model.parameters(), engine.store, lr=1e-2, state="8bit", offload_dir=offload_dir,
                         offload_masters=offload_dir is not None, offload_window=window)
         used.append(opt._pager)
-        for seed in range(steps):
-            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed + 10 * k))
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
+        losses += [_step(model, opt, seed + 10 * k) for seed in range(steps)]
         opt.close()
     return model, engine, losses, used
 
@@ -187,12 +191,7 @@ def test_writes_through_the_parameters_reach_the_update(tmp_path):
         for seed in range(4):
             if seed == 2:
                 model.load_state_dict(tiny_model("llama", seed=5).state_dict())
-            ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses.append(loss.item())
-            opt.step()
-            opt.zero_grad()
+            losses.append(_step(model, opt, seed))
         opt.synchronize()
         return model, opt, losses
 

@@ -103,9 +103,8 @@ class HostStore(GradHome):
     what reads its elements ``[first, first + n)`` into an fp32 buffer (a checkpoint read) or None
     (read the tensor); ``stored_quantized(tensor)`` what copies a tensor stored quantized already
     (``fill(format, byte_range)``), or None; ``on_unit(store, u)``, if given, runs once unit ``u``'s flats
-    are filled (the disk tier takes the masters of the units of its ``masters`` there, unpinned, before the
-    next unit's exist). The store does not
-    know what a model is.
+    are filled (the disk tier takes the masters of the units of its ``masters`` there, filled unpinned,
+    before the next unit's exist). The store does not know what a model is.
     """
 
     def __init__(

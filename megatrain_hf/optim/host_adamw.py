@@ -168,7 +168,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
             from .paged_state import DEFAULT_WINDOW, PagedState, master_units, move_masters
 
             masters = master_units(self.store, paged, self._offload_masters)
-            layout = tier_layout({u: specs[u] for u in paged}, {u: self.store.buffers[u].n_staged for u in masters})
+            layout = tier_layout({u: specs[u] for u in paged}, {u: self.store.n_staged(u) for u in masters})
             window = self.offload_window or DEFAULT_WINDOW
             tier = self.store.disk_tier  # the files the engine made at attach, the masters already in them
             self._pager = tier.adopt(self, layout, window, self.disk_io) if tier is not None else None
