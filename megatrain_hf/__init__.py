@@ -24,9 +24,9 @@ _LAZY = {
     "Trainer": "megatrain_hf.integrations.trainer",
     "MegaTrainAccelerator": "megatrain_hf.integrations.accelerate",
     "HostAdamW": "megatrain_hf.optim.host_adamw",
-    "register_family": "megatrain_hf.hf.families",
-    "from_pretrained": "megatrain_hf.hf.loading",
-    "from_config": "megatrain_hf.hf.random_init",
+    "register_family": "megatrain_hf.models.families",
+    "from_pretrained": "megatrain_hf.models.loading",
+    "from_config": "megatrain_hf.models.random_init",
 }
 
 __all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "load", "__version__", *_LAZY]

@@ -1,7 +1,7 @@
 """``MegaTrainConfig``: every knob of the engine, one flat, validated, documented dataclass.
 
 Each component owns its knobs -- ``optim/options.py``, ``memory/options.py``,
-``runtime/options.py``, ``hf/options.py`` -- and ``MegaTrainConfig`` is their union, so a user
+``runtime/options.py``, ``models/options.py`` -- and ``MegaTrainConfig`` is their union, so a user
 sets any of them in one place (``MegaTrainPlugin(compute_dtype="bf16", max_gpu_memory="24GiB")``,
 a YAML ``megatrain:`` section). One validator reads the fields' types: ``bool``, ``Literal``
 values, ``None`` and ``int``, plus a check function in ``Annotated`` metadata where a value needs
@@ -20,7 +20,7 @@ from typing import Annotated, Any, Literal, Union
 
 import torch
 
-from .hf.options import LossOptions, QuantOptions
+from .models.options import LossOptions, QuantOptions
 from .memory.options import MemoryOptions
 from .optim.options import OptimizerOptions
 from .runtime.options import RuntimeOptions

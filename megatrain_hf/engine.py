@@ -27,28 +27,28 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .config import MegaTrainConfig
-from .core.grad_home import resolve_grad_dtype
+from .core.grad_accumulators import resolve_grad_dtype
 from .core.grads import MAX_PENDING_SENDS, GradSink
 from .core.layout import Kind
-from .core.offload import CheckpointOffload
+from .core.activation_offload import CheckpointOffload
 from .core.patcher import Patcher
 from .core.sharding import sharding_from_env
 from .core.store import HostStore
 from .core.streamer import Streamer
 from .core.streams import streams_for
 from .core.template import TemplateCache
-from .hf.checks import check_coverage, check_fp32, prepare_graph_call
-from .hf.families import INPUT_KWARGS, family_of, unwrap
-from .hf.flops import flops_parameters
-from .hf.install import install_model
-from .hf.loading import deferred_weights
-from .hf.quantize import quantized_weights
+from .models.checks import check_coverage, check_fp32, prepare_graph_call
+from .models.families import INPUT_KWARGS, family_of, unwrap
+from .models.flops import flops_parameters
+from .models.model_patches import install_model
+from .models.loading import deferred_weights
+from .models.base_quantization import quantized_weights
 from .memory.budget import GpuBudget
 from .memory import activations
 from .memory import host as host_memory
 from .memory.disk import admit_tiers
 from .memory.host import DEFAULT_HEADROOM_BYTES
-from .optim.attach_tier import AttachTier
+from .optim.tier_files import AttachTier
 from .runtime import layer_major
 from .runtime.streamed_call import Unit, UnitRunner
 from .stats import EngineStats
@@ -187,7 +187,7 @@ class Engine:
         patcher.set_attr(model, "_megatrain_engine", self)
 
     def _install_chunked_loss(self, base: nn.Module) -> None:
-        """Route training forwards with labels through the chunked head + loss (``hf/chunked_loss.py``)."""
+        """Route training forwards with labels through the chunked head + loss (``models/chunked_loss.py``)."""
         if self.config.chunked_loss is False:
             return
         reason = None
@@ -202,7 +202,7 @@ class Engine:
                 logger.warning("megatrain: chunked_loss=True but %s; the loss is computed from full logits.", reason)
             self.chunked_loss_active = False
             return
-        from .hf.chunked_loss import chunked_forward
+        from .models.chunked_loss import chunked_forward
 
         forward = chunked_forward(base, base.forward, self.config.loss_chunk_tokens, self.head_loss,
                                   lambda: self.chunked_loss_active)
@@ -375,7 +375,7 @@ def load(path, config: MegaTrainConfig | None = None, *, device: torch.device | 
     For hand-written loops; with a Trainer, give it ``megatrain_hf.from_pretrained(path)`` (the
     plugin attaches). ``model_kwargs`` (``attn_implementation``, ...) go to ``from_pretrained``.
     """
-    from .hf.loading import from_pretrained
+    from .models.loading import from_pretrained
 
     model = from_pretrained(path, **model_kwargs)
     return model, attach(model, config, device=device, bf16=bf16)

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from megatrain_hf.optim import native  # noqa: E402
 from megatrain_hf.optim.compressed import EntryState  # noqa: E402
 from megatrain_hf.optim.kernels import GroupWork, native_update, torch_update  # noqa: E402
-from megatrain_hf.optim.quant import format_of  # noqa: E402
+from megatrain_hf.optim.moment_formats import format_of  # noqa: E402
 
 
 def work(mode: str, sizes: list[int]) -> tuple[GroupWork, list[torch.Tensor]]:

@@ -21,7 +21,7 @@ from helpers import (
     training_args,
 )
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach, engine_of
-from megatrain_hf.hf.families import FAMILIES
+from megatrain_hf.models.families import FAMILIES
 from transformers import Trainer
 
 
@@ -168,7 +168,7 @@ def test_chunked_loss_peak_is_bounded_by_the_chunk():
     within a few chunks' logits whatever the token count, far below the full logits, which one
     chunk of every token does reach."""
     from megatrain_hf.bench.cpu_memory import peak_tensor_bytes
-    from megatrain_hf.hf.chunked_loss import ChunkedLMLoss
+    from megatrain_hf.models.chunked_loss import ChunkedLMLoss
 
     hidden, vocab, chunk = 32, 4096, 256
     weight = (torch.randn(vocab, hidden) * 0.05).requires_grad_()

@@ -1,4 +1,4 @@
-"""core/offload.py on its own: CheckpointOffload with EmulatedStreams (the CUDA code path on the CPU)
+"""core/activation_offload.py on its own: CheckpointOffload with EmulatedStreams (the CUDA code path on the CPU)
 and without streams; a pool over plain host tensors and an ``available_bytes`` the test controls."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatrain_hf.core import offload as offload_module
-from megatrain_hf.core.offload import CheckpointOffload
+from megatrain_hf.core.activation_offload import CheckpointOffload
 from megatrain_hf.core.streams import EmulatedStreams
 from megatrain_hf.stats import EngineStats
 

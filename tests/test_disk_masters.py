@@ -100,7 +100,7 @@ def _hand_run(offload_dir, window=None, optimizers=1, steps=3):
 def test_masters_leave_ram_unit_by_unit_while_the_model_attaches(tmp_path, monkeypatch):
     """With the masters on disk the store's hook moves each unit's staged masters into its file as soon as the
     unit is filled: when unit u's flats are made, no earlier unit's staged masters are in RAM any more."""
-    from megatrain_hf.optim.attach_tier import AttachTier
+    from megatrain_hf.optim.tier_files import AttachTier
 
     seen = []
     original = AttachTier.__call__
@@ -237,7 +237,7 @@ def test_masters_on_disk_refused_by_hand_where_they_cannot_be(tmp_path):
 
 
 def _located(model):
-    from megatrain_hf.hf.families import family_of
+    from megatrain_hf.models.families import family_of
 
     located = family_of(model).locate(model)
     return located.names, located.modules

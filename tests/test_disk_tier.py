@@ -238,7 +238,7 @@ def test_auto_puts_the_fewest_units_on_disk_when_ram_is_short(tmp_path, monkeypa
 
 
 def _located(model):
-    from megatrain_hf.hf.families import family_of
+    from megatrain_hf.models.families import family_of
 
     located = family_of(model).locate(model)
     return located.names, located.modules

@@ -190,7 +190,7 @@ def test_host_ram_short_raises_before_allocating(monkeypatch):
 def test_host_staging_auto_drops_the_copy_when_that_makes_it_fit(monkeypatch, caplog):
     import megatrain_hf.memory.host as memory
     from megatrain_hf.memory import DEFAULT_HEADROOM_BYTES, host_breakdown_for_units
-    from megatrain_hf.hf.families import family_of
+    from megatrain_hf.models.families import family_of
 
     model = tiny_model("llama")
     units = family_of(model).locate(model)

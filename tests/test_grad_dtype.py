@@ -1,4 +1,4 @@
-"""bf16 gradient accumulators (``grad_dtype="bf16"``, ``core/grad_home.py``).
+"""bf16 gradient accumulators (``grad_dtype="bf16"``, ``core/grad_accumulators.py``).
 
 Through Trainer + the plugin, bf16 compute on the CPU, gradient accumulation 1: every logged loss and
 every final parameter equal the fp32 accumulators' run bitwise (clipping, weight decay, a schedule;
@@ -14,7 +14,7 @@ import torch
 from helpers import assert_same_state, state_of, tiny_model, train, training_args
 
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
-from megatrain_hf.core.grad_home import resolve_grad_dtype
+from megatrain_hf.core.grad_accumulators import resolve_grad_dtype
 from megatrain_hf.memory.host import host_breakdown_for_units
 from megatrain_hf.optim import native
 
@@ -132,7 +132,7 @@ def test_native_kernel_bf16_gradients_equal_their_fp32_values(mode):
     """Work items across tensor and chunk boundaries (2^18 elements), odd sizes, partial blocks, clipping."""
     from megatrain_hf.optim.compressed import EntryState
     from megatrain_hf.optim.kernels import GroupWork, native_update
-    from megatrain_hf.optim.quant import format_of
+    from megatrain_hf.optim.moment_formats import format_of
 
     fmt = format_of(mode)
     sizes = [7, (1 << 18) + 333, 1000, 3 * (1 << 17) + 129]

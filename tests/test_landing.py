@@ -1,4 +1,4 @@
-"""Gradients computed in their host accumulators on the CPU path (``runtime/landing.py``)."""
+"""Gradients computed in their host accumulators on the CPU path (``runtime/grads_in_place.py``)."""
 
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ def test_auto_keeps_plain_order_with_dropout(tmp_path, group_calls, caplog):
 
 def test_every_random_draw_counts_as_dropout():
     """Layer-major 'auto' must see every random draw of a training forward, whatever its name."""
-    from megatrain_hf.hf.checks import dropout_modules
+    from megatrain_hf.models.checks import dropout_modules
 
     starcoder2 = dropout_modules(tiny_model("starcoder2", attention_dropout=0.0))
     assert "model.embedding_dropout" in starcoder2

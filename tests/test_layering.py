@@ -2,7 +2,7 @@
 page's file table names exactly the modules of the tree.
 
 Layers (docs/architecture.md): cli, bench, run -> integrations -> engine, config, stats,
-checkpoint -> runtime, optim, memory, hf (never one another) -> core (torch only).
+-> runtime, optim, memory, models (never one another) -> core (torch only).
 """
 
 from __future__ import annotations
@@ -22,15 +22,14 @@ ALLOWED = {
     "runtime": {"core"},
     "optim": {"core"},
     "memory": {"core"},
-    "hf": {"core"},
+    "models": {"core"},
     "stats": set(),
-    "config": {"runtime", "optim", "memory", "hf"},  # the option classes, owned by their components
-    "checkpoint": {"core", "optim"},
-    "engine": {"core", "runtime", "optim", "memory", "hf", "config", "stats"},
-    "integrations": {"core", "runtime", "optim", "memory", "hf", "config", "stats", "engine", "checkpoint"},
+    "config": {"runtime", "optim", "memory", "models"},  # the option classes, owned by their components
+    "engine": {"core", "runtime", "optim", "memory", "models", "config", "stats"},
+    "integrations": {"core", "runtime", "optim", "memory", "models", "config", "stats", "engine"},
     "package": {"config", "engine", "stats"},  # megatrain_hf/__init__.py (the rest lazily, by name)
     "run": {"config", "integrations"},
-    "cli": {"config", "memory", "hf", "bench", "package"},
+    "cli": {"config", "memory", "models", "bench", "package"},
     "bench": {"config", "memory", "stats", "engine", "integrations", "package"},
 }
 THIRD_PARTY_FORBIDDEN = {  # group -> top-level packages it must not import
@@ -38,7 +37,7 @@ THIRD_PARTY_FORBIDDEN = {  # group -> top-level packages it must not import
     "runtime": {"transformers", "accelerate", "peft", "trl"},
     "optim": {"transformers", "accelerate", "peft", "trl"},
     "memory": {"accelerate", "peft", "trl"},
-    "hf": {"accelerate", "trl"},
+    "models": {"accelerate", "trl"},
     "engine": {"accelerate", "trl"},
     "config": {"transformers", "accelerate", "peft", "trl"},
     "stats": {"transformers", "accelerate", "peft", "trl"},
@@ -141,7 +140,7 @@ def test_architecture_file_table_matches_the_tree():
     folders = {entry.rstrip("/") for entry in listed if entry.endswith("/")}
     covered = {m for m in tree if any(m.startswith(f"{folder}/") for folder in folders)}
     missing = sorted(tree - listed - covered - {"core/__init__.py", "runtime/__init__.py", "optim/__init__.py",
-                                                 "hf/__init__.py", "memory/__init__.py", "integrations/__init__.py",
+                                                 "models/__init__.py", "memory/__init__.py", "integrations/__init__.py",
                                                  "integrations/trainer/__init__.py"})
     stale = sorted(entry for entry in listed - tree if not entry.endswith("/"))
     assert not missing, f"modules missing from docs/architecture.md's file table: {missing}"

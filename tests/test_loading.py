@@ -23,9 +23,9 @@ from transformers import AutoModelForCausalLM
 import megatrain_hf
 from helpers import assert_close_losses, assert_close_params, state_of, tiny_model, train, training_args
 from megatrain_hf import MegaTrainPlugin, engine_of
-from megatrain_hf.hf.loading import deferred_weights
-from megatrain_hf.core.quant import QuantWork
-from megatrain_hf.hf.shards import CHUNK_BYTES
+from megatrain_hf.models.loading import deferred_weights
+from megatrain_hf.core.frozen_formats import QuantWork
+from megatrain_hf.models.shards import CHUNK_BYTES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "scripts" / "load_rss.py"

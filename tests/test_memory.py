@@ -54,7 +54,7 @@ def _units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 def _store_tiers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
     """Bytes the real HostStore allocates (+ HostAdamW's two moments, same numel as the masters),
     with the units as the engine finds them (the family record)."""
-    from megatrain_hf.hf.families import family_of
+    from megatrain_hf.models.families import family_of
 
     located = family_of(model).locate(model)
     hs = store.HostStore(list(zip(located.names, located.modules)), compute_dtype=dtype, pin=False,

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megatrain_hf.optim import native
-from megatrain_hf.optim.quant import compress, expand, format_of
+from megatrain_hf.optim.moment_formats import compress, expand, format_of
 
 pytestmark = pytest.mark.skipif(native.host_adamw() is None, reason="no C++ compiler to build the kernel")
 

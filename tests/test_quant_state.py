@@ -15,9 +15,9 @@ import torch
 
 from helpers import assert_close_losses, assert_close_params, state_of, tiny_model, train, training_args
 from megatrain_hf import HostAdamW, MegaTrainPlugin, attach
-from megatrain_hf.checkpoint import OPTIMIZER_DIR, to_torch_state_dict
+from megatrain_hf.optim.state_files import OPTIMIZER_DIR, to_torch_state_dict
 from megatrain_hf.optim import native
-from megatrain_hf.optim.quant import compress, error_bound, expand, format_of
+from megatrain_hf.optim.moment_formats import compress, error_bound, expand, format_of
 
 ATOL = 1e-6
 KERNELS = ["torch", pytest.param("native", marks=pytest.mark.skipif(native.host_adamw() is None,

@@ -33,7 +33,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
 from megatrain_hf import HostAdamW, MegaTrainPlugin, attach, engine_of
-from megatrain_hf.checkpoint import OPTIMIZER_DIR, to_torch_state_dict
+from megatrain_hf.optim.state_files import OPTIMIZER_DIR, to_torch_state_dict
 
 ATOL = 1e-6
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ..hf.families import FAMILIES, unsupported_message
+from ..models.families import FAMILIES, unsupported_message
 from ..memory import activations
 from ..memory.fit import ModelFit, largest_model, largest_preset, longest_sequence, placement
 from ..memory.host import DEFAULT_HEADROOM_BYTES, GiB, available_host_bytes

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .quant import QuantFormat
+from .frozen_formats import QuantFormat
 
 ALIGN_ELEMS = 16
 """Every tensor starts on a 64-byte boundary inside its flat (16 fp32 elements)."""
@@ -147,7 +147,7 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 MOMENT_FORMATS = {"fp32": (32, 0), "bf16": (16, 0), "8bit": (8, 256), "4bit": (4, 128)}
 """``optimizer_state`` -> (bits per element, elements per fp32 block scale; 0: none) of HostAdamW's
-moments (the formats themselves: ``optim/quant.py``)."""
+moments (the formats themselves: ``optim/moment_formats.py``)."""
 
 
 def moment_parts(sizes: UnitSizes, optimizer_state: str) -> tuple[int, ...]:
@@ -173,7 +173,7 @@ def host_tiers(units: list[UnitSizes], compute_dtype: torch.dtype, *, staging: b
     ``"bf16"``, ``"8bit"``, ``"4bit"``; ``True``: fp32), or ``False``: not counted;
     ``grad_dtype``: the accumulators of the bf16-streamed part of every unit but the last (``grad_home.py``).
     """
-    from .grad_home import grad_bytes, low_precision_units
+    from .grad_accumulators import grad_bytes, low_precision_units
 
     low = low_precision_units(len(units), grad_dtype)
     trainable = sum(s.n_train for s in units)

@@ -38,10 +38,10 @@ from typing import Callable
 
 import torch
 
-from .grad_home import GradHome, low_precision_units
+from .grad_accumulators import GradHome, low_precision_units
 from .host_pages import TRIM_EVERY_BYTES, trim
 from .layout import Entry, Kind
-from .quant import QuantWork, quantize_into, quantize_tensor
+from .frozen_formats import QuantWork, quantize_into, quantize_tensor
 from .readiness import UnitGates
 from .sharding import ReceiveSlots
 from .unit_plan import plan_units

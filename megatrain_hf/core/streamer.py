@@ -32,7 +32,7 @@ import torch
 
 from . import host_pages
 from .layout import Kind
-from .quant import dequantize_into
+from .frozen_formats import dequantize_into
 from .store import HostStore
 
 

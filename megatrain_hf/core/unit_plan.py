@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from .layout import Entry, Kind, TensorSpec, UnitSizes, lay_out, wire_dtype
-from .quant import quant_format
+from .frozen_formats import quant_format
 
 logger = logging.getLogger("megatrain_hf.core.store")  # the store's messages, whichever module lays out
 

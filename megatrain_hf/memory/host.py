@@ -14,7 +14,7 @@ import psutil
 import torch
 
 from ..core.layout import TensorSpec, UnitSizes, host_tiers, lay_out, wire_dtype
-from ..core.quant import quant_format
+from ..core.frozen_formats import quant_format
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def host_breakdown_for_units(
     ``frozen_in_wire_dtype``: frozen weights in the wire dtype, else in fp32 (``HostStore``'s). Tied
     parameters (one tensor in two units) are counted once, frozen ones in their wire dtype only;
     ``quantize(param)``: the scheme a frozen weight is stored in (``HostStore``'s), None: as is;
-    ``grad_dtype``: ``HostStore``'s (its bf16 accumulators, ``core/grad_home.py``).
+    ``grad_dtype``: ``HostStore``'s (its bf16 accumulators, ``core/grad_accumulators.py``).
     """
     sizes = unit_sizes(units, compute_dtype=compute_dtype, embedding_units=embedding_units,
                        frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize)

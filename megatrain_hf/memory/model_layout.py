@@ -1,7 +1,7 @@
 """A model's units as the host store will lay them out, planned from its shape alone.
 
 The same layout rule as the store's (``core/layout.py``): wire dtypes, alignment, the quantized
-LoRA base (``core/quant.py``), so the plan and the store cannot disagree.
+LoRA base (``core/frozen_formats.py``), so the plan and the store cannot disagree.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Iterable
 import torch
 
 from ..core.layout import TensorSpec, aligned, host_tiers, lay_out, wire_dtype
-from ..core.quant import quant_format
+from ..core.frozen_formats import quant_format
 from .shapes import ModelShape
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -16,7 +16,7 @@ import torch
 from ..core.grads import MAX_PENDING_SENDS
 from ..core.layout import MOMENT_FORMATS, aligned
 from ..core.layout import loss_chunk_tokens as loss_chunk
-from ..core.quant import DEQUANT_CHUNK_ELEMENTS, DEQUANT_TEMP_BYTES
+from ..core.frozen_formats import DEQUANT_CHUNK_ELEMENTS, DEQUANT_TEMP_BYTES
 from . import activations
 from .host import DEFAULT_HEADROOM_BYTES, TIER_LABELS, GiB, _check_int, check_host_memory, gib
 from .model_layout import LORA_TARGETS, _host_tiers, _layout, _UnitLayout, _wire_bytes  # noqa: F401 (re-exported)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.layout import Entry
-from .quant import MOMENTS, Format, compress, expand
+from .moment_formats import MOMENTS, Format, compress, expand
 
 
 @dataclass

@@ -33,7 +33,7 @@ from ..core.workers import start_worker
 from .compressed import CompressedMoments
 from .disk_engines import CHOICES as DISK_IO_CHOICES
 from .kernels import GroupWork, UnitJob, native_update, torch_update
-from .quant import format_of
+from .moment_formats import format_of
 from .state_io import AdamWStateIO
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
                            "has no offload_dir: the update reads and writes them through their mapping. Fix: pass "
                            "offload_dir= and offload_masters= as the engine's config has them.")
         if self.offload_dir is not None:
-            from .attach_tier import tier_layout
+            from .tier_files import tier_layout
             from .paged_state import DEFAULT_WINDOW, PagedState, master_units, move_masters
 
             masters = master_units(self.store, paged, self._offload_masters)

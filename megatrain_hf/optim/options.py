@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 import torch
 
-from .quant import MODES, unknown_state
+from .moment_formats import MODES, unknown_state
 
 
 def _check_state(name: str, value) -> None:

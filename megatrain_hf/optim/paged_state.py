@@ -36,7 +36,7 @@ DEFAULT_WINDOW = 4
 
 MASTER = "master"
 """The state tensor holding a unit's fp32 masters ``[:n_staged]`` (``offload_state="all"``), first in its
-file (offset 0); the parameters alias a mapping of it (:meth:`PagedState.map`, ``core/master_home.py``)."""
+file (offset 0); the parameters alias a mapping of it (:meth:`PagedState.map`, ``core/mapped_masters.py``)."""
 
 
 @dataclass
@@ -344,8 +344,8 @@ def master_units(store, units, offload_masters) -> list[int]:
 
 def move_masters(pager: PagedState, store, units: list[int]) -> None:
     """The staged masters of ``units`` into their files (``MASTER``), then the parameters onto a mapping of
-    them and their RAM flat freed (``core/master_home.py``), a unit at a time."""
-    from ..core.master_home import page_masters
+    them and their RAM flat freed (``core/mapped_masters.py``), a unit at a time."""
+    from ..core.mapped_masters import page_masters
 
     for u in units:
         store.stage(u)  # from the RAM flat now: a stale copy would be refreshed from the mapping (a read of it)

@@ -45,8 +45,8 @@ from ..core.store import unfrozen_error
 from ..core.streamer import Streamer
 from ..core.template import HookRecord, Mirror, Template
 from .autocast import autocast_state
-from .checkpoints import Checkpoints
-from .landing import embedding_weights, embeddings_into, landing_regions
+from .activation_inputs import Checkpoints
+from .grads_in_place import embedding_weights, embeddings_into, landing_regions
 from .tiling import tileable_mlp, tiled
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class Unit:
     mirror: Mirror
     trainable: list[Entry]  # every trainable tensor the unit computes with (a tied one included)
     frozen: list[Entry]
-    embeddings: frozenset[str] = frozenset()  # names of its nn.Embedding weights (runtime/landing.py)
+    embeddings: frozenset[str] = frozenset()  # names of its nn.Embedding weights (runtime/grads_in_place.py)
 
     def __post_init__(self) -> None:
         self.embeddings = embedding_weights(self.module)

@@ -91,7 +91,7 @@ def save(model, engine, out: str) -> dict:
     import gc
 
     from megatrain_hf import HostAdamW
-    from megatrain_hf.checkpoint import save_optimizer
+    from megatrain_hf.optim.state_files import save_optimizer
 
     optimizer = HostAdamW([p for p in model.parameters() if p.requires_grad], store=engine.store, lr=1e-4)
     gc.collect()
@@ -104,7 +104,7 @@ def save(model, engine, out: str) -> dict:
 
 
 def load(folder: str, path: str, lora: bool, bf16: bool, out: str | None = None, quant: str = "none") -> dict:
-    from megatrain_hf.hf.quantize import quantized_weights
+    from megatrain_hf.models.base_quantization import quantized_weights
     from megatrain_hf.memory import host_breakdown_for_units
 
     _warm_up(folder, path, lora, bf16, quant)

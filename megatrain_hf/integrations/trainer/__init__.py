@@ -7,7 +7,7 @@ entry (``init()`` and the ``Trainer`` subclass).
 """
 
 from .entry import Trainer, init
-from .install import disable, enable, install, is_enabled, uninstall
+from .init_wrap import disable, enable, install, is_enabled, uninstall
 from .plugin import MegaTrainPlugin
 
 __all__ = ["MegaTrainPlugin", "Trainer", "disable", "enable", "init", "install", "is_enabled", "uninstall"]

@@ -23,7 +23,7 @@ from typing import Any
 import transformers
 
 from ...config import MegaTrainConfig
-from .install import _INIT_SIGNATURE, _find_plugin, enable, enabled_config
+from .init_wrap import _INIT_SIGNATURE, _find_plugin, enable, enabled_config
 from .plugin import MegaTrainPlugin
 
 _INIT_NAMES = ("offload_dir", "max_vram_gb", "optimizer_compression")

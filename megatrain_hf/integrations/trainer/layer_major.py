@@ -24,7 +24,7 @@ import logging
 from transformers import Trainer
 
 from ...core.patcher import Patcher
-from ...hf.checks import dropout_modules
+from ...models.checks import dropout_modules
 from ...runtime.layer_major import current
 
 logger = logging.getLogger(__name__)

@@ -31,8 +31,10 @@ from transformers import Trainer
 
 from ...core.patcher import Patcher
 from ...optim.host_adamw import HostAdamW, convertible
-from . import checkpoints, distributed, layer_major
-from .checkpoints import host_adamw
+from . import saving as checkpoints
+from . import distributed
+from . import layer_major
+from .saving import host_adamw
 
 logger = logging.getLogger(__name__)
 
@@ -158,8 +160,8 @@ def _check_example_lengths(trainer, engine) -> None:
     a sized dataset of at most ``_SCAN_LIMIT`` examples. The per-forward check covers the rest."""
     from transformers.trainer_utils import has_length
 
-    from ...hf.checks import limit_reason, position_limit, sequence_too_long
-    from ...hf.families import unwrap
+    from ...models.checks import limit_reason, position_limit, sequence_too_long
+    from ...models.families import unwrap
 
     dataset = trainer.train_dataset
     config = getattr(unwrap(engine.model), "config", None)

@@ -33,8 +33,8 @@ from ...core.patcher import Patcher
 from ...engine import Engine, attach, engine_of
 from ...stats import Metrics
 from . import overrides
-from .checkpoints import host_adamw
-from .install import install
+from .saving import host_adamw
+from .init_wrap import install
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class MegaTrainPlugin(TrainerCallback):
     def attach_reference(self, model, args) -> bool:
         """Attach a frozen model that is evaluated beside the trained one (TRL's reference or reward
         model); returns False (leave it to Accelerate) for a model megatrain cannot stream."""
-        from ...hf.families import FAMILIES, unwrap
+        from ...models.families import FAMILIES, unwrap
 
         if not isinstance(model, torch.nn.Module) or model is self.engine.model:
             return False

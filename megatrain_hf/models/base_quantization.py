@@ -7,7 +7,7 @@ selects (told apart by those attributes, without importing PEFT). Everything els
 with the fix: a scheme the store does not have, a model PEFT did not wrap, a base weight that is
 trainable (a full fine-tune) or tied to another parameter.
 
-The store quantizes while it fills its flats (``core/quant.py``); for a model built by
+The store quantizes while it fills its flats (``core/frozen_formats.py``); for a model built by
 ``megatrain_hf.from_pretrained`` :func:`checkpoint_ranges` reads each base weight from its
 checkpoint in chunks, so the weight never exists unquantized in full.
 """
@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..core.quant import SCHEMES
+from ..core.frozen_formats import SCHEMES
 from .shards import ShardReader, Stored
 
 PEFT_WRAP_HINT = (

@@ -1,6 +1,6 @@
 """Models of a config whose random initial weights are drawn straight into the host store.
 
-:func:`from_config` builds a model the way :func:`~megatrain_hf.hf.loading.from_pretrained` does
+:func:`from_config` builds a model the way :func:`~megatrain_hf.models.loading.from_pretrained` does
 (parameters on the meta device, then placeholders), but its weights come from a seeded generator
 instead of a checkpoint: norm weights are ones, biases zeros, every other weight is drawn from
 ``N(0, std)``. The draw happens when megatrain attaches, tensor by tensor, straight into the flat

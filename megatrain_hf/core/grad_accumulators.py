@@ -127,7 +127,7 @@ class GradHome:
             grad_host = grad_host.to("cpu")
         # copy_/add_ convert a bf16 gradient to fp32 on the fly (no temporary fp32 copy)
         if param.grad is None:
-            if not _is_region(grad_host, region):  # else computed in the accumulator (runtime/landing.py)
+            if not _is_region(grad_host, region):  # else computed in the accumulator (runtime/grads_in_place.py)
                 region.copy_(grad_host)
             param.grad = region.view(entry.shape)
         elif param.grad.data_ptr() == region.data_ptr():

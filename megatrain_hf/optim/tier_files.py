@@ -22,7 +22,7 @@ import torch
 
 from .compressed import unit_spec
 from .paged_state import DEFAULT_WINDOW, MASTER, PagedState, move_masters
-from .quant import format_of
+from .moment_formats import format_of
 
 logger = logging.getLogger(__name__)
 

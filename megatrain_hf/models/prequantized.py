@@ -8,8 +8,8 @@ Linear weight ``W`` (bitsandbytes' ``QuantState.as_dict(packed=True)`` and ``Int
   (a JSON of the rest: shape, blocksizes, ``nested_offset``);
 * int8 (``load_in_8bit``): ``W`` (``CB``, int8, the weight's shape) and ``<module>.SCB`` (fp32 per row).
 
-These are exactly the pieces of ``core/quant.py``'s layout, so they are copied byte for byte: the
-weights dequantize to what bitsandbytes dequantizes them to. Only the layouts ``core/quant.py`` has
+These are exactly the pieces of ``core/frozen_formats.py``'s layout, so they are copied byte for byte: the
+weights dequantize to what bitsandbytes dequantizes them to. Only the layouts ``core/frozen_formats.py`` has
 are taken (NF4 with blocksize 64 and double quantization of blocksize 256, bitsandbytes' code
 tables); any other is refused with its values.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.quant import BLOCK, BLOCK2, QuantFormat, _pieces, dynamic_map, table
+from ..core.frozen_formats import BLOCK, BLOCK2, QuantFormat, _pieces, dynamic_map, table
 from .shards import ShardReader, Stored
 
 NF4_STATE = ".quant_state.bitsandbytes__nf4"

@@ -31,8 +31,8 @@ from collections.abc import Callable
 
 import torch
 
-from .optim.compressed import tensor_names
-from .optim.quant import expand, format_of
+from .compressed import tensor_names
+from .moment_formats import expand, format_of
 
 FORMAT = "megatrain-hostadamw-v1"
 OPTIMIZER_DIR = "megatrain_optimizer"
@@ -231,7 +231,7 @@ def load_optimizer(optimizer, folder: str) -> None:
             raise ValueError(
                 f"{unit_file(folder, u)} holds optimizer_state={saved_mode!r} moments, this HostAdamW keeps "
                 f"{mode!r}. Fix: resume with optimizer_state={saved_mode!r} (or convert the checkpoint with "
-                "megatrain_hf.checkpoint.to_torch_state_dict and load that into a fresh optimizer)."
+                "megatrain_hf.optim.state_files.to_torch_state_dict and load that into a fresh optimizer)."
             )
         numel = optimizer.store.n_train(u)
         if int(meta["numel"]) != numel or json.loads(meta["layout"]) != _layout(optimizer, u):

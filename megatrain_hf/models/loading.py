@@ -38,9 +38,9 @@ from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from ..core.patcher import Patcher
-from .install import wrapper_chain
+from .model_patches import wrapper_chain
 from .prequantized import Prequantized, find
-from .quantize import checkpoint_ranges
+from .base_quantization import checkpoint_ranges
 from .shards import ShardReader, Stored, index_folder
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ everything the plan keeps. Where a tensor's gradient is the step's first contrib
 is None, so the accumulator region holds nothing to keep), the computation writes into the region
 itself:
 
-* the chunked loss (``hf/chunked_loss.py``) sums the head's chunk gradients into the region: the
+* the chunked loss (``models/chunked_loss.py``) sums the head's chunk gradients into the region: the
   first copied, the next added, the arithmetic of its own fp32 sum (a bf16 chunk gradient is
   converted exactly by the copy, without an fp32 copy of it next to it);
 * an ``nn.Embedding``'s weight gradient is zeroed and then summed into the region row by row with

@@ -81,7 +81,7 @@ class ChunkedLMLoss:
             total = loss if total is None else total + loss
         return self._scale(total, labels)
 
-    lands_in_place = True  # backward takes ``into`` (runtime/landing.py)
+    lands_in_place = True  # backward takes ``into`` (runtime/grads_in_place.py)
 
     def backward(
         self, x: torch.Tensor, tensors: dict[str, torch.Tensor], leaves: list[str], grad_out: torch.Tensor,

@@ -4,7 +4,7 @@ Three of Trainer's private methods are overridden on the instance (each has a te
 transformers changes what it overrides):
 
 * ``_save_optimizer_and_scheduler``: HostAdamW's state as one safetensors file per unit
-  (``megatrain_hf/checkpoint.py``) instead of one pickle of the whole state; the scheduler as
+  (``megatrain_hf/optim/state_files.py``) instead of one pickle of the whole state; the scheduler as
   Trainer saves it.
 * ``_load_optimizer_and_scheduler``: loads that folder in place; anything else goes to Trainer's
   own loader, with pickles other than tensors refused with a clear message.
@@ -26,8 +26,8 @@ import warnings
 import torch
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 
-from ...checkpoint import OPTIMIZER_DIR, atomic_write, fsync_path, fsync_tree, has_sharded_optimizer
-from ...checkpoint import load_optimizer, save_optimizer
+from ...optim.state_files import OPTIMIZER_DIR, atomic_write, fsync_path, fsync_tree, has_sharded_optimizer
+from ...optim.state_files import load_optimizer, save_optimizer
 from ...core.patcher import Patcher
 from ...optim.host_adamw import HostAdamW
 
@@ -98,7 +98,7 @@ def _load_sharded(trainer, checkpoint: str) -> None:
         raise ValueError(
             f"{folder} holds megatrain's per-unit HostAdamW state, but this Trainer's optimizer is "
             f"{type(inner).__name__}. Resume with MegaTrainPlugin(replace_adamw=True) (the default) and "
-            "the AdamW optimizer, or convert the folder with megatrain_hf.checkpoint.to_torch_state_dict()."
+            "the AdamW optimizer, or convert the folder with megatrain_hf.optim.state_files.to_torch_state_dict()."
         )
     scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
     if not os.path.isfile(scheduler_file):  # Trainer loads neither unless both exist

@@ -1,7 +1,7 @@
 """Where a streamed node's input comes from in its backward: the activation checkpoints.
 
 A unit's call keeps its input (the *checkpoint*) on the device, or in pinned host memory with
-``offload_checkpoints`` (``core/offload.py``, chained per micro-batch so the one before comes back
+``offload_checkpoints`` (``core/activation_offload.py``, chained per micro-batch so the one before comes back
 while this one is back-propagated). With ``checkpoint_interval=k`` only every k-th call of a
 micro-batch's *chain* keeps it -- a chain is a run of calls each fed the very tensor the previous
 one returned, unchanged -- and the backward of a call that kept none recomputes the inputs of its
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..core.offload import Checkpoint
+from ..core.activation_offload import Checkpoint
 
 if TYPE_CHECKING:
     from .streamed_call import Call
