@@ -59,9 +59,9 @@ EOF
 log="$work/pytest.log"
 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false TRITON_INTERPRET=1 \
     "$venv/bin/python" -m pytest -q -rs -m "not gpu" -p no:cacheprovider \
-    tests/test_parity.py::test_trainer_parity_fp32 tests/test_parity.py::test_plugins_kwarg_and_stock_optimizer \
-    tests/test_trl_fused_head.py tests/test_layer_major.py::test_trl_sft_trainer_layer_major \
-    tests/test_layer_major.py::test_trl_fused_lm_head_runs_in_the_head_unit tests/test_cli.py 2>&1 | tee "$log"
+    tests/parity/test_parity.py::test_trainer_parity_fp32 tests/parity/test_parity.py::test_plugins_kwarg_and_stock_optimizer \
+    tests/integration/trl/test_trl_fused_head.py tests/parity/test_layer_major.py::test_trl_sft_trainer_layer_major \
+    tests/parity/test_layer_major.py::test_trl_fused_lm_head_runs_in_the_head_unit tests/integration/cli/test_cli.py 2>&1 | tee "$log"
 if grep -Eq "[0-9]+ skipped" "$log"; then
     echo "lower bounds: tests were skipped (see above); a skip here means a package is missing" >&2
     exit 1

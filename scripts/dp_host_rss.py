@@ -1,6 +1,6 @@
 """Host memory of data-parallel training: the same model trained by 1 and by N ranks on one host.
 
-    python tests/scripts/load_rss.py --make DIR --hidden 1024 --layers 12 --dtype fp32   # a ~0.2 B model
+    python tests/tools/load_rss.py --make DIR --hidden 1024 --layers 12 --dtype fp32   # a ~0.2 B model
     python scripts/dp_host_rss.py --model DIR --nproc 0 --out plain.json   # one plain process, no torch.distributed
     python scripts/dp_host_rss.py --model DIR --nproc 1 --out one.json     # torchrun, 1 rank
     python scripts/dp_host_rss.py --model DIR --nproc 2 --out two.json     # torchrun, 2 ranks

@@ -1,6 +1,7 @@
-import os
-import sys
+"""Shared test settings: offline hubs, quiet tokenizers. Helpers live in ``tests/helpers.py``
+(``from tests.helpers import ...``: the checkout's root is on ``sys.path`` under pytest's rootdir)."""
 
-sys.path.insert(0, os.path.dirname(__file__))
+import os
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -9,11 +9,15 @@ same seed, so one run cannot mask the other.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 import transformers
 from torch.utils.data import Dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+"""The checkout's root (what tests run commands and read files from)."""
 
 VOCAB = 128
 SEQ = 16

@@ -94,7 +94,7 @@ FAMILIES: dict[str, Family] = {}
 def register_family(model_type: str, locate: Callable[[nn.Module], Units] | None = None,
                     chunked_loss: bool = False) -> Family:
     """Declare ``model_type`` supported, after checking that it trains exactly like plain HF (the
-    parity tests of ``tests/test_parity.py`` with the family added to ``FAMILY_CONFIGS`` in
+    parity tests of ``tests/parity/test_parity.py`` with the family added to ``FAMILY_CONFIGS`` in
     ``tests/helpers.py``).
 
     ``locate(model) -> Units``: the streamed units in forward order (default: :func:`decoder_units`

@@ -20,7 +20,7 @@ gradient keeps its codes. Both kernels (``csrc/host_adamw.cpp`` and :func:`expan
 Round-trip bound: ``|x - expand(compress(x))| <= absmax(block) * max_error(map)``, where
 ``max_error`` is half the largest gap between adjacent map values (for the map without zero, also
 the distance from 0 to its smallest value): 8-bit m 0.0070, v 0.0035; 4-bit m 0.1125, v 0.0625
-(:func:`error_bound`; ``tests/test_quant_state.py`` checks it).
+(:func:`error_bound`; ``tests/parity/test_quant_state.py`` checks it).
 
 Each unit's state is a small set of contiguous named tensors (``exp_avg.codes``, ``exp_avg.scales``,
 ``exp_avg_sq.codes``, ``exp_avg_sq.scales``; bf16: ``exp_avg``, ``exp_avg_sq``), laid out like the

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from helpers import (GPU_SHAPE, LogRecorder, RandomTokens, assert_close_losses, state_of, tiny_model, train,
+from tests.helpers import (GPU_SHAPE, LogRecorder, RandomTokens, assert_close_losses, state_of, tiny_model, train,
                      training_args)
 from megatrain_hf import MegaTrainPlugin, engine_of
 

@@ -18,14 +18,13 @@ pytestmark = pytest.mark.gpu
 if torch.cuda.device_count() < 2:
     pytest.skip("needs 2 CUDA GPUs", allow_module_level=True)
 
-from helpers import tiny_model
+from tests.helpers import REPO_ROOT, tiny_model
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(HERE, "scripts", "dp_train.py")
+SCRIPT = str(REPO_ROOT / "tests" / "tools" / "dp_train.py")
 
 
 def _run(case: dict, out, output_dir, nproc: int | None) -> None:
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE))
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     env.pop("MEGATRAIN_CONFIG", None)
     args = [SCRIPT, "--case", json.dumps(case), "--out", str(out), "--output_dir", str(output_dir)]
     if nproc is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import GPU_SHAPE, RandomTokens, assert_close_losses, state_of, tiny_model, train, training_args
+from tests.helpers import GPU_SHAPE, RandomTokens, assert_close_losses, state_of, tiny_model, train, training_args
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, engine_of
 
 pytestmark = pytest.mark.gpu

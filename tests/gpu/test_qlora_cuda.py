@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import state_of, tiny_model, train, training_args
+from tests.helpers import state_of, tiny_model, train, training_args
 from megatrain_hf import MegaTrainPlugin, engine_of
-from megatrain_hf.core import quant as Q
+from megatrain_hf.core import frozen_formats as Q
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():

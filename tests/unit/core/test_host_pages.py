@@ -1,0 +1,108 @@
+"""Host pages given back (``core/host_pages.py``) and the gradient reduce in pieces (``core/sharding.py``)."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatrain_hf.core import host_pages, sharding
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmRSS:\s+(\d+)", f.read()).group(1))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_DONTNEED) is Linux's")
+def test_release_drops_the_whole_pages_and_keeps_the_edges():
+    t = torch.ones(16 * 2**20 + 7)  # 64 MiB and a bit, resident
+    view = t[3:]  # starts inside a page: that page's bytes before and at the edge are kept
+    before = _rss_kib()
+    assert host_pages.release(view)
+    assert before - _rss_kib() > 60 * 1024  # the pages went back
+    assert t[:3].eq(1).all() and t[-1] == 1  # outside the whole pages of the view: untouched
+    assert t[2048 : 2**20].eq(0).all()  # inside: dropped (reads as zeros)
+    view.fill_(2.0)  # usable again, resident where written
+    assert t[3:].eq(2).all()
+    assert not host_pages.release(t[::2])  # not contiguous: refused, nothing done
+
+
+def test_trim_runs_or_says_it_cannot():
+    assert isinstance(host_pages.trim(), bool)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_mmap_large_gives_freed_blocks_back_at_once():
+    """Without it glibc serves blocks below its raised threshold from the heap, resident after free."""
+    assert host_pages.mmap_large()
+    t = torch.ones(2**21)  # a mapped 8 MiB block freed: glibc's default threshold would rise to it
+    del t
+    before = _rss_kib()
+    blocks, kept = [], []
+    for _ in range(32):
+        blocks.append(torch.ones(2**20))  # 4 MiB
+        kept.append(torch.ones(2**14))  # 64 KiB from the heap between them, kept
+    assert _rss_kib() - before > 128 * 1024
+    del blocks
+    assert _rss_kib() - before < 16 * 1024  # the 4 MiB blocks went back; the kept 2 MiB stay
+
+
+def test_the_cpu_path_trims_after_enough_bytes_only(monkeypatch):
+    """malloc_trim walks the heap: once per TRIM_EVERY_BYTES of units computed, not after every small unit."""
+    from tests.helpers import tiny_model
+
+    from megatrain_hf import MegaTrainConfig, attach
+    from megatrain_hf.core import streamer
+
+    calls = []
+    monkeypatch.setattr(streamer.host_pages, "trim", lambda: calls.append(1) or True)
+    model = tiny_model("llama")
+    engine = attach(model, MegaTrainConfig(), device="cpu")
+    assert calls == [1]  # once at attach: what filling the store left in the heap
+    calls.clear()
+    ids = torch.randint(0, model.config.vocab_size, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert calls == []  # the tiny model's units are far below the threshold
+    monkeypatch.setattr(streamer.host_pages, "TRIM_EVERY_BYTES", 1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert len(calls) >= len(engine.store.entries)  # every fetch (forward and recompute) trims
+    engine.detach()
+
+
+def _reduce_worker(rank: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    sharding.PIECE_NUMEL = 3  # 10 elements: pieces of 3, 3, 3, 1
+    s = sharding.UnitSharding(num_units=2)
+    g = torch.arange(10, dtype=torch.float32) * (rank + 1)
+    # unit 0 (owner rank 0) and unit 1 (owner rank 1): the owner reduces into its region, the other sends g
+    results = {}
+    for u in (0, 1):
+        if s.owns(u):
+            dst = g.clone()
+            s.reduce_grad_pieces(u, dst, dst, 10)
+            results[u] = dst
+        else:
+            src = g.to(torch.bfloat16) if u == 1 else g.clone()  # any float dtype is sent as fp32
+            s.reduce_grad_pieces(u, None, src, 10)
+            assert src.float().equal(g)  # the sender's gradient is read, never written
+    zero = torch.full((10,), 5.0)
+    if s.owns(0):
+        s.reduce_grad_pieces(0, zero, zero, 10)
+    else:
+        s.reduce_grad_pieces(0, None, None, 10)  # no contribution: zeros
+    torch.save({"results": results, "zero": zero if s.owns(0) else None}, f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_gradient_reduce_in_pieces_sums_exactly_at_the_owner(tmp_path):
+    init = f"file://{tmp_path / 'init'}"
+    mp.spawn(_reduce_worker, args=(init, str(tmp_path / "r")), nprocs=2, join=True)
+    r0, r1 = torch.load(f"{tmp_path / 'r'}.0"), torch.load(f"{tmp_path / 'r'}.1")
+    expected = torch.arange(10, dtype=torch.float32) * 3  # rank 0's g + rank 1's (2 g)
+    assert r0["results"][0].equal(expected) and r1["results"][1].equal(expected)
+    assert r0["zero"].equal(torch.full((10,), 5.0))
