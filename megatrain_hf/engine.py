@@ -29,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .config import MegaTrainConfig
 from .core.grad_accumulators import resolve_grad_dtype
 from .core.grads import MAX_PENDING_SENDS, GradSink
+from .core.ownership import LocalOwnership, ShardedOwnership
 from .core.layout import Kind
 from .core.activation_offload import CheckpointOffload
 from .core.patcher import Patcher
@@ -99,6 +100,7 @@ class Engine:
         # receive slots (data parallelism): on CUDA the unit computing + the prefetched one + one
         # spare, and a gradient slot per send in flight; on the CPU one of each
         slots = (3, MAX_PENDING_SENDS + 2) if (streams is not None or device.type == "cuda") else (1, 1)
+        ownership = ShardedOwnership(self.sharding, slots) if self.sharding is not None else LocalOwnership()
         try:
             self.store = HostStore(named, compute_dtype=dtype, pin=config.resolve_pin(device),
                                    embedding_units=located.embedding_units, staging=staging,
@@ -106,7 +108,7 @@ class Engine:
                                    sources=deferred.source if deferred is not None else None, quantize=quantize,
                                    ranges=deferred.ranges if deferred is not None else None,
                                    stored_quantized=deferred.quantized_source if deferred is not None else None,
-                                   sharding=self.sharding, slots=slots, grad_dtype=grad_dtype, on_unit=on_unit)
+                                   ownership=ownership, grad_dtype=grad_dtype, on_unit=on_unit)
         except BaseException:
             if on_unit is not None:
                 on_unit.close()  # (the files made so far)
@@ -118,10 +120,12 @@ class Engine:
             deferred.finish(model)
         self.streams = streams if streams is not None else streams_for(device)
         self.streamer = Streamer(self.store, device, self.stats, self.streams)
-        sink = GradSink
+        self.grads = GradSink(self.store, self.stats, self.streams, host_threads=self.host_threads)
+        self.grad_keeper = None  # device_update: the device sums kept for the device's share of the update
         if config.device_update:
-            from .optim.device_update import KeepingGradSink as sink
-        self.grads = sink(self.store, self.stats, self.streams, host_threads=self.host_threads)
+            from .optim.device_update import KeepingGradSink
+
+            self.grad_keeper = KeepingGradSink(self.grads)
         self.budget = GpuBudget(device, config.gpu_memory_bytes(), config.offload_checkpoints,
                                 offload=lambda: self.runner.offload, start_offload=self._start_offload,
                                 available_host=self._available_host, on_undo=self.patcher.on_undo)
@@ -239,8 +243,8 @@ class Engine:
         if self.streams is not None:
             self.streams.synchronize()  # no copy still reads the flats we unpin
         self.grads.close()
-        if self.store.disk_tier is not None:
-            self.store.disk_tier.close()  # the parameters keep their mapping of the masters
+        if self.store.master_files is not None:
+            self.store.master_files.close()  # the parameters keep their mapping of the masters
         self.store.release()
 
     def set_final_microbatch(self, is_final: Callable[[], bool]) -> None:

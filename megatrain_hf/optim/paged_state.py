@@ -327,7 +327,7 @@ def master_units(store, units, offload_masters) -> list[int]:
     Refused where the staging copy, which the device streams instead of the masters, is missing."""
     if not offload_masters:
         return []
-    if not store.staging:
+    if not store.staging.enabled:
         raise ValueError(
             "megatrain: the fp32 masters on disk (offload_state='all', offload_masters) need the bf16 staging copy, "
             "which the device streams instead of the masters; this store has none (fp32 compute, or "
@@ -335,7 +335,7 @@ def master_units(store, units, offload_masters) -> list[int]:
             "'bf16') with host_staging=True or 'auto', or offload_state='moments'.")
     chosen = [u for u in sorted(units) if (offload_masters is True or u in offload_masters)
               and store.buffers[u].n_staged]
-    if chosen and store.sharding is not None:
+    if chosen and store.ownership.world_size > 1:
         raise ValueError("megatrain: the fp32 masters on disk (offload_state='all') do not combine with data "
                          "parallelism (each unit's owner broadcasts its masters from RAM). Fix: "
                          "offload_state='moments', or data_parallel=False.")
@@ -348,7 +348,7 @@ def move_masters(pager: PagedState, store, units: list[int]) -> None:
     from ..core.mapped_masters import page_masters
 
     for u in units:
-        store.stage(u)  # from the RAM flat now: a stale copy would be refreshed from the mapping (a read of it)
+        store.staging.stage(u)  # from the RAM flat now: a stale copy would be refreshed from the mapping (a read of it)
         with pager.resident(u, write=True) as flats:
             flats[MASTER].copy_(store.staged_master(u))
         pager.flush()  # written before the mapping is read

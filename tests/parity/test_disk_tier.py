@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 import torch
-from tests.helpers import (LogRecorder, RandomTokens, assert_same_state, optimizer_files, state_of, tiny_model, train,
+from tests.helpers import (REPO_ROOT, LogRecorder, RandomTokens, assert_same_state, optimizer_files, state_of, tiny_model, train,
                      training_args)
 
 from megatrain_hf import HostAdamW, MegaTrainConfig, MegaTrainPlugin

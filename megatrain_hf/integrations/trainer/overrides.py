@@ -113,7 +113,7 @@ def _host_optimizer(plugin, optimizer: torch.optim.Optimizer) -> HostAdamW:
         from ...optim.device_update import DeviceShareAdamW
 
         # the device's units keep their gradients on the GPU, unless a GPU budget has no room planned for them
-        sink = engine.grads if engine.budget.budget is None else None
+        sink = engine.grad_keeper if engine.budget.budget is None else None
         return DeviceShareAdamW.from_optimizer(optimizer, engine.store, grad_sink=sink, stats=engine.stats, **kwargs)
     return HostAdamW.from_optimizer(optimizer, engine.store, **kwargs)
 
@@ -216,7 +216,7 @@ def _install_accelerator(patcher: Patcher, plugin, trainer) -> None:
         if math.isinf(float(max_norm)):  # Trainer only measures the norm (max_grad_norm=0)
             return norm
         coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ computes it
-        if engine.store.grad_dtype == torch.float32 and plugin.observers(trainer, "on_pre_optimizer_step",
+        if engine.store.accumulators.grad_dtype == torch.float32 and plugin.observers(trainer, "on_pre_optimizer_step",
                                                                           "on_optimizer_step"):
             plugin.log_once(logging.INFO, "megatrain: a callback observes the gradients before/after the optimizer "
                             "step: clipping is applied to them at once instead of inside the background update")
