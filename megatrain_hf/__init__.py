@@ -11,7 +11,7 @@ from importlib import import_module
 from typing import Any
 
 from .config import MegaTrainConfig
-from .engine import Engine, attach, engine_of, load
+from .engine import Engine, attach, engine_of, gather_state_dict, load
 from .stats import EngineStats
 
 __version__ = "0.1.0"
@@ -29,7 +29,7 @@ _LAZY = {
     "from_config": "megatrain_hf.models.random_init",
 }
 
-__all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "load", "__version__", *_LAZY]
+__all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "gather_state_dict", "load", "__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

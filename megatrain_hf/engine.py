@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import weakref
 from typing import Any, Callable
 
@@ -34,7 +35,7 @@ from .core.layout import Kind
 from .core.activation_offload import CheckpointOffload
 from .core.patcher import Patcher
 from .core.sharding import sharding_from_env
-from .core.store import HostStore
+from .core.store import HostStore, alias
 from .core.streamer import Streamer
 from .core.streams import streams_for
 from .core.template import TemplateCache
@@ -144,6 +145,7 @@ class Engine:
         if config.offload_checkpoints is True:
             self._start_offload()
         self._set_flops_model(model, located)
+        self._gathering = False  # gather_state_dict reads state_dict() (data parallelism)
         self.chunked_loss_active = config.chunked_loss is True  # the integration may turn it on ("auto")
         self.chunked_loss_installed = False
         self._install(model)
@@ -179,7 +181,7 @@ class Engine:
         for unit in self.units:
             patcher.set_attr(unit.module, "forward", functools.partial(_unit_forward, weakref.ref(self), unit.index))
         install_model(patcher, model, [u.module for u in self.units], self.device, self.synchronize,
-                      self.store.mark_dirty)
+                      self.store.mark_dirty, self._check_state_readable if self.store.remote else None)
         self._install_chunked_loss(unwrap(model))
         # torch keeps global hooks forever: hold the engine weakly so a dropped model is freed
         on_step = weakref.WeakMethod(self._on_optimizer_step)
@@ -246,6 +248,85 @@ class Engine:
         if self.store.master_files is not None:
             self.store.master_files.close()  # the parameters keep their mapping of the masters
         self.store.release()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, optimizer=None, defer: bool = True,
+                        on_nonfinite: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, exactly, for any loop.
+
+        The global L2 norm comes from the per-unit norms the gradient sink recorded as the gradients
+        landed (no pass over the host gradients); the clip multiply is ``clip_grad_norm_``'s. With
+        ``optimizer`` a ``HostAdamW`` and ``defer`` (the default), the multiply runs inside its next
+        background update, unit by unit; otherwise the gradients are multiplied at once (do that when
+        your code reads ``.grad`` after clipping). A non-finite norm makes a ``HostAdamW`` skip its next
+        step (weights, moments and step counts unchanged; logged; ``on_nonfinite(norm)`` instead, if
+        given); another optimizer gets the gradients as plain clipping leaves them. Returns the total
+        norm, as torch does. ``norm_type`` other than 2
+        runs torch's own clipping over the host gradients.
+        """
+        params = [e.tensor for u in range(len(self.store.entries)) for e in self.store.owned_trainable(u)]
+        if float(norm_type) != 2.0:
+            self.grads.finish()
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        norm = self.grads.global_norm()  # every gradient is on the host once backward returned
+        deferred = defer and hasattr(optimizer, "set_clip_coef")
+        if not bool(torch.isfinite(norm)):
+            if on_nonfinite is not None:
+                on_nonfinite(norm)
+            elif hasattr(optimizer, "skip_next_step"):
+                optimizer.skip_next_step()
+                logger.warning("megatrain: non-finite gradient norm (%s): the optimizer skips this update (weights, "
+                               "moments and step counts unchanged).", float(norm))
+            return norm
+        if math.isinf(float(max_norm)):  # only the norm is measured
+            return norm
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ computes it
+        if deferred:
+            optimizer.set_clip_coef(coef)
+            return norm
+        grads = [p.grad for p in params if p.grad is not None]
+        if float(coef) < 1.0 and grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return norm
+
+    # ------------------------------------------------------------------ data parallelism: the whole model
+    def gather_state_dict(self, dst: int = 0) -> dict | None:
+        """The model's full ``state_dict`` on rank ``dst`` (None on the others), every weight as training
+        left it: the units another rank owns are received unit by unit into fresh tensors. Every rank must
+        call it (a collective). Without data parallelism: ``model.state_dict()``."""
+        self.synchronize()
+        sharding, store = self.store.ownership.sharding, self.store
+        if sharding is None:
+            return self.model.state_dict()
+        received: dict[int, torch.Tensor] = {}
+        for u, bufs in enumerate(store.buffers):
+            if bufs.master_host is None or sharding.owner(u) == dst:
+                continue
+            flat = bufs.master_host if sharding.rank != dst else torch.empty_like(bufs.master_host)
+            sharding.gather_to(u, flat, dst)
+            if sharding.rank == dst:
+                received[u] = flat
+        if sharding.rank != dst:
+            return None
+        replace = {id(e.tensor): alias(flat, e.offset, e.shape) for u, flat in received.items()
+                   for e in store.owned_trainable(u)}
+        self._gathering = True
+        try:
+            full = self.model.state_dict()
+        finally:
+            self._gathering = False
+        by_name = {name: replace[id(p)] for name, p in self.model.named_parameters(remove_duplicate=False)
+                   if id(p) in replace}
+        return {k: by_name.get(k, v) for k, v in full.items()}
+
+    def _check_state_readable(self) -> None:
+        if not self._gathering:
+            sharding = self.store.ownership.sharding
+            raise RuntimeError(
+                f"megatrain: this process (rank {sharding.rank} of {sharding.world_size}) holds only the units it owns; "
+                "the other ranks' weights are not here, so model.state_dict() / save_pretrained() would not be the "
+                "model (they read as NaN). Fix: megatrain_hf.gather_state_dict(model) on every rank (the full "
+                "state on rank 0), or trainer.save_model() (it gathers), or save_pretrained(dir, state_dict=...) "
+                "with the gathered state.")
 
     def set_final_microbatch(self, is_final: Callable[[], bool]) -> None:
         """Tell the gradient sink whether a backward is the step's last (then gradient norms are wanted)."""
@@ -383,6 +464,13 @@ def load(path, config: MegaTrainConfig | None = None, *, device: torch.device | 
 
     model = from_pretrained(path, **model_kwargs)
     return model, attach(model, config, device=device, bf16=bf16)
+
+
+def gather_state_dict(model: nn.Module, dst: int = 0) -> dict | None:
+    """``model``'s full ``state_dict`` on rank ``dst`` under megatrain's data parallelism (None on the other
+    ranks; every rank must call it); the plain ``state_dict()`` of a model megatrain is not attached to."""
+    engine = engine_of(model)
+    return engine.gather_state_dict(dst) if engine is not None else model.state_dict()
 
 
 def engine_of(model: nn.Module) -> Engine | None:

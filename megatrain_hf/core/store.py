@@ -73,6 +73,14 @@ def alias(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
     return torch.from_numpy(flat.numpy()[offset : offset + numel]).view(shape)
 
 
+def absent(e: Entry) -> torch.Tensor:
+    """What a parameter whose values are not in this process reads as: NaN, in its shape (one element,
+    expanded; a gradient of its shape can still be assigned). A quantized frozen weight (its values
+    exist only quantized) and, under data parallelism, a unit another rank owns (its masters live on
+    the owner: ``ownership.py``) hold it, so a read is never stale, only loud."""
+    return torch.full((), float("nan"), dtype=e.tensor.dtype).expand(e.shape)
+
+
 @dataclass
 class UnitBuffers:
     """The host flats of one unit (see module docstring)."""
@@ -231,13 +239,14 @@ class HostStore:
                             quantize_tensor(e.quant, e.tensor, region, work)
                         else:
                             quantize_into(e.quant, read, region, work)
-                    e.tensor.data = torch.full((), float("nan"), dtype=e.tensor.dtype).expand(e.shape)
+                    e.tensor.data = absent(e)
+                    continue
+                if u in remote and e.kind is Kind.TRAINABLE:  # the owner's masters arrive with each fetch
+                    e.tensor.data = absent(e)
                     continue
                 fill = sources(e.tensor) if sources is not None else None
                 with torch.no_grad():
-                    if u in remote and e.kind is Kind.TRAINABLE:
-                        pass  # the owner's masters arrive with each fetch
-                    elif fill is None:
+                    if fill is None:
                         region.copy_(e.tensor.detach().reshape(-1))
                     else:
                         fill(region)
