@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import BackgroundWorkerError
 from .layout import Entry, Kind
 from .store import HostStore
 from .workers import start_worker
@@ -329,12 +330,12 @@ class GradSink:
             while self._pending > at_most:
                 self._cond.wait(timeout=1.0)
                 if self._worker is not None and not self._worker.is_alive():
-                    raise RuntimeError("megatrain gradient worker died")
+                    raise BackgroundWorkerError("megatrain gradient worker died")
 
     def raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"megatrain gradient accumulation failed: {error!r}") from error
+            raise BackgroundWorkerError(f"megatrain gradient accumulation failed: {error!r}") from error
 
     def grad_key(self, u: int) -> tuple:
         """Identity and version of unit ``u``'s gradients: a cached norm is valid while it holds."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import DiskSpaceError, IncompatibleOptionsError
 from ..core.disk_io import ALIGN, align_up, check_offload_dir, remove_stale_run_dirs
 from ..core.layout import UnitSizes, moment_bytes, moment_parts
 from . import host as host_memory
@@ -74,7 +75,7 @@ def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
         free = disk_free_bytes(path)
     if needed + DISK_HEADROOM_BYTES <= free:
         return
-    raise MemoryError(
+    raise DiskSpaceError(
         f"megatrain's disk tier needs {gib(needed)} GiB in offload_dir={offload_dir!r} (+ {gib(DISK_HEADROOM_BYTES)} "
         f"GiB headroom) but its filesystem has {gib(free)} GiB free:\n"
         f"  optimizer state (AdamW moments, fp32 masters) {gib(needed):>8} GiB\n"
@@ -106,7 +107,7 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
     staging_default = host_staging is not False
     masters_possible = compute_dtype != torch.float32 and host_staging is not False and masters_allowed
     if offload_dir is not None and offload_state == "all" and not masters_possible:
-        raise ValueError(
+        raise IncompatibleOptionsError(
             f"offload_state='all' puts the fp32 masters on disk, which needs the bf16 staging copy that the device "
             f"streams instead of them; here {'compute is fp32' if compute_dtype == torch.float32 else 'host_staging=False' if host_staging is False else 'data parallelism broadcasts the masters from RAM'}"
             ", so the device reads the masters themselves. Fix: bf16 compute (bf16=True or compute_dtype='bf16') "

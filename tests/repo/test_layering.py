@@ -2,7 +2,8 @@
 page's file table names exactly the modules of the tree.
 
 Layers (docs/architecture.md): cli, bench, run -> integrations -> engine, config, stats,
--> runtime, optim, memory, models (never one another) -> core (torch only).
+-> runtime, optim, memory, models (never one another) -> core (torch only); errors (the typed
+exceptions, no imports) below them all.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ PACKAGE = ROOT / "megatrain_hf"
 
 # group of a module -> groups it may import (its own group always)
 ALLOWED = {
+    "errors": set(),  # the typed exceptions: importable from every layer
     "core": set(),
     "runtime": {"core"},
     "optim": {"core"},
@@ -43,6 +45,9 @@ THIRD_PARTY_FORBIDDEN = {  # group -> top-level packages it must not import
     "config": {"transformers", "accelerate", "peft", "trl"},
     "stats": {"transformers", "accelerate", "peft", "trl"},
 }
+for _group, _allowed in ALLOWED.items():
+    if _group != "errors":
+        _allowed.add("errors")
 MAX_LINES = 400
 
 
