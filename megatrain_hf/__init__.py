@@ -10,8 +10,10 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
+from . import errors
 from .config import MegaTrainConfig
 from .engine import Engine, attach, engine_of, gather_state_dict, load
+from .errors import *  # noqa: F403 (the typed exceptions: megatrain_hf.MegatrainConfigError, ...)
 from .stats import EngineStats
 
 __version__ = "0.1.0"
@@ -29,7 +31,8 @@ _LAZY = {
     "from_config": "megatrain_hf.models.random_init",
 }
 
-__all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "gather_state_dict", "load", "__version__", *_LAZY]
+__all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "gather_state_dict", "load", "__version__",
+           *errors.__all__, *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

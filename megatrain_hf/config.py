@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, Union
 
 import torch
 
+from .errors import MegatrainConfigError
 from .models.options import LossOptions, QuantOptions
 from .memory.options import MemoryOptions
 from .optim.options import OptimizerOptions
@@ -38,7 +39,7 @@ def _check_device(name: str, value) -> None:
     try:
         torch.device(value)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(
+        raise MegatrainConfigError(
             f"MegaTrainConfig.{name}={value!r} is not a torch device; use e.g. 'cuda', 'cuda:0' or 'cpu', or "
             "leave it None to follow the Trainer."
         ) from exc
@@ -46,12 +47,12 @@ def _check_device(name: str, value) -> None:
 
 def _check_threads(name: str, value) -> None:
     if value is not None and (type(value) is not int or value < 1):
-        raise ValueError(f"MegaTrainConfig.{name}={value!r}; allowed: None (all CPUs) or an int >= 1.")
+        raise MegatrainConfigError(f"MegaTrainConfig.{name}={value!r}; allowed: None (all CPUs) or an int >= 1.")
 
 
 def _check_timeout(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"MegaTrainConfig.{name}={value!r}; allowed: a number of seconds > 0, e.g. 300.")
+        raise MegatrainConfigError(f"MegaTrainConfig.{name}={value!r}; allowed: a number of seconds > 0, e.g. 300.")
 
 
 @dataclass(kw_only=True)
@@ -142,7 +143,7 @@ class MegaTrainConfig(OptimizerOptions, MemoryOptions, QuantOptions, LossOptions
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(
+            raise MegatrainConfigError(
                 f"unknown megatrain option(s) {unknown}; allowed: {sorted(known)}. See docs/configuration.md."
             )
         return cls(**values)
@@ -156,9 +157,9 @@ class MegaTrainConfig(OptimizerOptions, MemoryOptions, QuantOptions, LossOptions
         try:
             values = json.loads(raw)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{ENV_VAR} is not valid JSON ({exc}); value: {raw[:200]!r}") from exc
+            raise MegatrainConfigError(f"{ENV_VAR} is not valid JSON ({exc}); value: {raw[:200]!r}") from exc
         if not isinstance(values, dict):
-            raise ValueError(f"{ENV_VAR} must hold a JSON object, got {type(values).__name__}")
+            raise MegatrainConfigError(f"{ENV_VAR} must hold a JSON object, got {type(values).__name__}")
         return cls.from_dict(values)
 
 
@@ -203,7 +204,7 @@ def _validate(name: str, value, hint) -> None:
     members = _members(hint)
     if not any(_matches(value, m) for m in members):
         extra = " fp16 is not supported (use bf16 on GPUs that have it)." if name == "compute_dtype" else ""
-        raise ValueError(f"MegaTrainConfig.{name}={value!r}; allowed: {_describe(members)}.{extra}")
+        raise MegatrainConfigError(f"MegaTrainConfig.{name}={value!r}; allowed: {_describe(members)}.{extra}")
 
 
 def config_fields() -> list[dataclasses.Field]:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from .errors import IncompatibleOptionsError, UsageError
 from .config import MegaTrainConfig
 from .core.grad_accumulators import resolve_grad_dtype
 from .core.grads import MAX_PENDING_SENDS, GradSink
@@ -64,7 +65,8 @@ class Engine:
     def __init__(self, model: nn.Module, config: MegaTrainConfig, device: torch.device, dtype: torch.dtype,
                  streams=None, frozen_in_wire_dtype: bool = True) -> None:
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device} was asked for but CUDA is not available; use device='cpu'.")
+            raise IncompatibleOptionsError(
+                f"device {device} was asked for but CUDA is not available; use device='cpu'.")
         self.model, self.config, self.device, self.compute_dtype = model, config, device, dtype
         self.patcher = Patcher(before_pickle=self.synchronize)
         self.family = family_of(model)
@@ -76,9 +78,10 @@ class Engine:
                                     deferred.stored_schemes(model) if deferred is not None else None)
         quantize = (lambda p: schemes.get(id(p))) if schemes else None
         if config.offload_dir is not None and config.device_update:
-            raise ValueError(f"MegaTrainConfig(offload_dir={config.offload_dir!r}) does not combine with "
-                             "device_update=True (the device's share would keep the moments it pages on the GPU). "
-                             "Fix: leave device_update off, or offload_dir unset.")
+            raise IncompatibleOptionsError(
+                f"MegaTrainConfig(offload_dir={config.offload_dir!r}) does not combine with "
+                "device_update=True (the device's share would keep the moments it pages on the GPU). "
+                "Fix: leave device_update off, or offload_dir unset.")
         moments = config.optimizer_state if config.replace_adamw else False
         self.sharding = sharding_from_env(len(named), config.data_parallel, config.collective_timeout_s)
         grad_dtype = resolve_grad_dtype(config.grad_dtype, dtype, self.sharding is not None, config.device_update)
@@ -95,9 +98,10 @@ class Engine:
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
         if self.sharding is not None and config.device_update:
-            raise ValueError("megatrain: device_update=True is not supported under data parallelism (the GPU "
-                             "share of the update does not know the unit owners). Fix: device_update=False, or "
-                             "data_parallel=False to train each rank alone.")
+            raise IncompatibleOptionsError(
+                "megatrain: device_update=True is not supported under data parallelism (the GPU "
+                "share of the update does not know the unit owners). Fix: device_update=False, or "
+                "data_parallel=False to train each rank alone.")
         # receive slots (data parallelism): on CUDA the unit computing + the prefetched one + one
         # spare, and a gradient slot per send in flight; on the CPU one of each
         slots = (3, MAX_PENDING_SENDS + 2) if (streams is not None or device.type == "cuda") else (1, 1)
@@ -321,7 +325,7 @@ class Engine:
     def _check_state_readable(self) -> None:
         if not self._gathering:
             sharding = self.store.ownership.sharding
-            raise RuntimeError(
+            raise UsageError(
                 f"megatrain: this process (rank {sharding.rank} of {sharding.world_size}) holds only the units it owns; "
                 "the other ranks' weights are not here, so model.state_dict() / save_pretrained() would not be the "
                 "model (they read as NaN). Fix: megatrain_hf.gather_state_dict(model) on every rank (the full "
@@ -366,12 +370,12 @@ class Engine:
         """
         runner = self.runner
         if runner.group is not None:
-            raise RuntimeError("megatrain: run_layer_major() cannot be nested")
+            raise UsageError("megatrain: run_layer_major() cannot be nested")
         if len(fns) == 1:
             return [fns[0]()]
         hooked = self.grads.hooked_parameters()
         if hooked:
-            raise ValueError(
+            raise IncompatibleOptionsError(
                 f"megatrain: layer-major accumulation sums the micro-batches' gradients before they reach the "
                 f"parameters, but {hooked[:3]} have tensor hooks, which run once per backward. Fix: "
                 "MegaTrainConfig(layer_major=False) (or 'auto'), or one backward per micro-batch in your loop."
@@ -445,7 +449,7 @@ def attach(model: nn.Module, config: MegaTrainConfig | None = None, *, device: t
     """
     config = config or MegaTrainConfig()
     if engine_of(model) is not None:
-        raise RuntimeError("megatrain is already attached to this model; call handle.detach() first.")
+        raise UsageError("megatrain is already attached to this model; call handle.detach() first.")
     check_fp32(model)
     dev = config.resolve_device(torch.device(device) if device is not None else None)
     return Engine(model, config, dev, config.resolve_dtype(trainer_bf16=bf16), streams=streams,

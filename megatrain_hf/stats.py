@@ -23,6 +23,8 @@ from dataclasses import dataclass, fields
 import psutil
 import torch
 
+from .errors import MegatrainConfigError
+
 
 def model_flops_per_token(matmul_params: int, trainable_matmul_params: int, layers: int, heads: int,
                           head_dim: int, seq_len: int) -> float:
@@ -77,7 +79,7 @@ class Metrics:
 
     def __init__(self, level: str = "basic") -> None:
         if level not in self.LEVELS:
-            raise ValueError(f"metrics={level!r}; allowed: {list(self.LEVELS)}")
+            raise MegatrainConfigError(f"metrics={level!r}; allowed: {list(self.LEVELS)}")
         self.level = level
         self._last: float | None = None
         self._alloc_retries: int | None = None

@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ..errors import MegatrainConfigError
 from .report import write_reports
 from .runner import _same_workload
 from .systems import SYSTEMS
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 def combine(reports: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     """The combined report of ``(name, results.json contents)`` pairs; ValueError on a workload mismatch."""
     if not reports:
-        raise ValueError("no results to combine")
+        raise MegatrainConfigError("no results to combine")
     first_name, first = reports[0]
     workload = first["workload"]
     results: dict[str, Any] = {}
@@ -38,7 +39,7 @@ def combine(reports: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
     for name, report in reports:
         other = report.get("workload") or {}
         if not (_same_workload(other, workload) and _same_workload(workload, other)):
-            raise ValueError(f"{name}: workload {other} differs from {first_name}'s {workload}")
+            raise MegatrainConfigError(f"{name}: workload {other} differs from {first_name}'s {workload}")
         meta = report.get("meta", {})
         source = {"file": name, "git_commit": meta.get("git", {}).get("commit"),
                   "created_utc": meta.get("created_utc"), "gpus": meta.get("hardware", {}).get("gpus")}

@@ -21,6 +21,7 @@ Convention (Chowdhery et al. 2022, "PaLM", Appendix B; the MFU estimate of nanoG
 
 from __future__ import annotations
 
+from ..errors import MegatrainConfigError
 from ..memory import ModelShape
 from ..stats import model_flops_per_token as _per_token
 
@@ -49,7 +50,7 @@ def model_flops_per_token(shape: ModelShape, seq_len: int, trainable: int | None
     matmuls count too); the frozen ones cost no weight-gradient matmul: ``4 * N + 2 * trainable``
     plus ``6 * trainable`` for the adapters' own work, as ``stats.py`` counts it."""
     if seq_len < 1:
-        raise ValueError(f"seq_len={seq_len}: must be >= 1")
+        raise MegatrainConfigError(f"seq_len={seq_len}: must be >= 1")
     n = non_embedding_params(shape)  # full fine-tuning: every one of them trains
     if trainable is not None:
         return int(_per_token(n + trainable, trainable, shape.layers, shape.heads, shape.dim_head, seq_len))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
+from ..errors import MegatrainConfigError
 from ..memory import PRESETS as MEMORY_PRESETS
 from ..memory import ModelShape
 
@@ -51,7 +52,7 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
     if "heads" in overrides and "kv_heads" not in overrides and shape.kv_heads > shape.heads:
         shape = replace(shape, kv_heads=shape.heads)
     if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
-        raise ValueError(
+        raise MegatrainConfigError(
             f"hidden={shape.hidden}, heads={shape.heads}, kv_heads={shape.kv_heads}: hidden must be a multiple "
             "of heads and heads a multiple of kv_heads; fix --hidden/--heads/--kv-heads."
         )

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..errors import MegatrainConfigError
 from .presets import PRESETS, SHAPE_FIELDS, ModelShape, add_lora_arguments, add_shape_arguments, shape_from_args
 from .report import write_reports
 from .runinfo import run_metadata, workload
@@ -79,7 +80,7 @@ def parse_systems(text: str) -> list[str]:
     systems = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
-        raise ValueError(f"--systems {text!r}: unknown {unknown}; allowed: {', '.join(SYSTEMS)}")
+        raise MegatrainConfigError(f"--systems {text!r}: unknown {unknown}; allowed: {', '.join(SYSTEMS)}")
     return list(dict.fromkeys(systems))
 
 
@@ -201,7 +202,7 @@ def merged_results(out: Path, this_workload: dict[str, Any], systems: list[str])
         return {}
     previous = json.loads(path.read_text())
     if not _same_workload(previous.get("workload") or {}, this_workload):
-        raise ValueError(
+        raise MegatrainConfigError(
             f"--merge: {path} holds a different workload ({previous.get('workload')}) than this run "
             f"({this_workload}); use another --out or drop --merge."
         )

@@ -20,6 +20,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from ..errors import MegatrainConfigError
+
 logger = logging.getLogger(__name__)
 
 GPU_PEAK_BOUND = 0.10  # relative spread allowed across depths
@@ -34,7 +36,8 @@ def load_points(paths: list[Path], system: str = "megatrain") -> list[dict[str, 
         result = report.get("results", {}).get(system)
         if result is None or result.get("status") != "ok":
             status = "missing" if result is None else f"{result.get('status')}: {result.get('reason', '')}"
-            raise ValueError(f"{path}: no successful '{system}' result ({status}); rerun it or leave the file out")
+            raise MegatrainConfigError(
+                f"{path}: no successful '{system}' result ({status}); rerun it or leave the file out")
         shape = report["workload"]["shape"]
         tokens_per_step = report["workload"]["tokens_per_step"]
         step = result["step_time_mean_s"]

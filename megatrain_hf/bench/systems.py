@@ -73,6 +73,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ..errors import MegatrainConfigError
 from ..memory import ModelShape
 
 SYSTEMS = ("megatrain", "plain", "deepspeed", "deepspeed_zero2", "deepspeed_offloadpp", "deepspeed_zenflow",
@@ -120,7 +121,7 @@ def _offload(**extra: Any) -> dict[str, Any]:
 def deepspeed_config(system: str, shape: ModelShape) -> dict[str, Any]:
     """The DeepSpeed config of ``system`` for a model of ``shape`` (see the module docstring)."""
     if system not in DEEPSPEED_SYSTEMS:
-        raise ValueError(f"{system!r} is not a DeepSpeed system; those are {sorted(DEEPSPEED_SYSTEMS)}")
+        raise MegatrainConfigError(f"{system!r} is not a DeepSpeed system; those are {sorted(DEEPSPEED_SYSTEMS)}")
     h = shape.hidden
     zero: dict[str, Any] = {"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": h * h}
     if system in ZERO3_SYSTEMS:
@@ -183,7 +184,7 @@ def fsdp2_config() -> dict[str, Any]:
 def system_config(system: str, shape: ModelShape) -> dict[str, Any]:
     """What the report shows of a system's own setup (the shared TrainingArguments aside)."""
     if system not in SYSTEMS:
-        raise ValueError(f"unknown system {system!r}; allowed: {', '.join(SYSTEMS)}")
+        raise MegatrainConfigError(f"unknown system {system!r}; allowed: {', '.join(SYSTEMS)}")
     config: dict[str, Any] = {"note": SYSTEM_NOTES[system]}
     if system in DEEPSPEED_SYSTEMS:
         config["deepspeed"] = deepspeed_config(system, shape)
@@ -199,7 +200,7 @@ def system_config(system: str, shape: ModelShape) -> dict[str, Any]:
 def check_workload(system: str, grad_accum: int) -> None:
     """Raise ValueError when ``system`` does not run this workload as the others do."""
     if system == "deepspeed_zenflow" and grad_accum != 1:
-        raise ValueError(
+        raise MegatrainConfigError(
             f"deepspeed_zenflow with --grad-accum {grad_accum}: ZenFlow replaces DeepSpeed's gradient "
             "accumulation with its update_interval (configure_zenflow sets gradient_accumulation_steps = "
             f"update_interval = {ZENFLOW_UPDATE_INTERVAL}), so its optimizer steps would not be Trainer's; "
@@ -221,7 +222,7 @@ def training_arguments(system: str, *, shape: ModelShape, output_dir: str, micro
     from transformers import TrainingArguments
 
     if system not in SYSTEMS:
-        raise ValueError(f"unknown system {system!r}; allowed: {', '.join(SYSTEMS)}")
+        raise MegatrainConfigError(f"unknown system {system!r}; allowed: {', '.join(SYSTEMS)}")
     check_workload(system, grad_accum)
     kwargs: dict[str, Any] = {
         "output_dir": output_dir,

@@ -19,6 +19,7 @@ import time
 import traceback
 from typing import Any
 
+from ..errors import MegatrainConfigError
 from .flops import model_flops_per_step, model_flops_per_token
 from .presets import ModelShape, add_lora_arguments, add_shape_arguments, shape_from_args
 from .systems import (DEEPSPEED_SYSTEMS, DISTRIBUTED_SYSTEMS, SYSTEMS, ZERO3_SYSTEMS, SystemCheck, check_workload,
@@ -168,7 +169,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     check_available(args.system, args.device, args.grad_accum, args.base_quantization)
     if args.base_quantization != "none":  # megatrain's option, beside those MEGATRAIN_CONFIG names
         if args.lora_rank is None:
-            raise ValueError("--base-quantization quantizes a frozen LoRA base: give --lora-rank too")
+            raise MegatrainConfigError("--base-quantization quantizes a frozen LoRA base: give --lora-rank too")
         options = json.loads(os.environ.get("MEGATRAIN_CONFIG") or "{}")
         os.environ["MEGATRAIN_CONFIG"] = json.dumps({**options, "base_quantization": args.base_quantization})
     shape = shape_from_args(args)

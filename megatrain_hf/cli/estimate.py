@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from ..errors import IncompatibleOptionsError, MegatrainConfigError, UnsupportedModelError
 from ..models.families import FAMILIES, unsupported_message
 from ..memory import activations
 from ..memory.fit import ModelFit, largest_model, largest_preset, longest_sequence, placement
@@ -190,12 +191,14 @@ def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int) ->
         free, where = disk.disk_free_bytes(disk.check_offload_dir(args.offload_dir)), f"free in {args.offload_dir}"
     masters = args.offload_state == "all"
     if masters and (plan.compute_dtype == "fp32" or args.host_staging is False):
-        raise ValueError("--offload-state all puts the fp32 masters on disk, which needs the bf16 staging copy "
-                         "that the device streams instead of them. Fix: --dtype bf16 without "
-                         "--no-host-staging, or --offload-state moments.")
+        raise IncompatibleOptionsError(
+            "--offload-state all puts the fp32 masters on disk, which needs the bf16 staging copy "
+            "that the device streams instead of them. Fix: --dtype bf16 without "
+            "--no-host-staging, or --offload-state moments.")
     if args.offload_window < 2:
-        raise ValueError(f"--offload-window {args.offload_window}: must be >= 2 (the unit updating and the one "
-                         "written back behind it). Fix: --offload-window 4, the default.")
+        raise MegatrainConfigError(
+            f"--offload-window {args.offload_window}: must be >= 2 (the unit updating and the one "
+            "written back behind it). Fix: --offload-window 4, the default.")
     tier = disk.shape_tier(shape, plan.compute_dtype, args.lora_rank, window=args.offload_window,
                            optimizer_state=plan.optimizer_state, masters=masters)
     ram = disk.ram_with_tier(plan, tier)
@@ -383,5 +386,6 @@ def shape_of(model: str) -> ModelShape:
     model_type = get("model_type")
     if model_type not in FAMILIES:
         architectures = get("architectures") or []
-        raise ValueError(unsupported_message(model_type, architectures[0] if architectures else f"config {model}"))
+        raise UnsupportedModelError(
+            unsupported_message(model_type, architectures[0] if architectures else f"config {model}"))
     return ModelShape.from_hf_config(config, name=model)

@@ -22,6 +22,7 @@ import sys
 import tempfile
 from importlib import metadata
 
+from ..errors import MegatrainConfigError
 from ..config import ENV_VAR, MegaTrainConfig
 
 
@@ -35,19 +36,20 @@ def load_launch_config(path: str) -> tuple[dict, MegaTrainConfig]:
         try:
             data = yaml.safe_load(f) or {}
         except yaml.YAMLError as exc:
-            raise ValueError(
+            raise MegatrainConfigError(
                 f"{path} is not a plain YAML mapping ({exc.__class__.__name__}: {exc}). Only plain YAML is "
                 "read (safe_load): tags such as !!python/object are refused."
             ) from exc
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a YAML mapping of accelerate keys plus a `megatrain:` section")
+        raise MegatrainConfigError(f"{path} must hold a YAML mapping of accelerate keys plus a `megatrain:` section")
     section = data.pop("megatrain", None) or {}
     if not isinstance(section, dict):
-        raise ValueError(f"the `megatrain:` section of {path} must be a mapping, got {type(section).__name__}")
+        raise MegatrainConfigError(
+            f"the `megatrain:` section of {path} must be a mapping, got {type(section).__name__}")
     try:
         config = MegaTrainConfig.from_dict(section)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"the `megatrain:` section of {path}: {exc}") from exc
+        raise MegatrainConfigError(f"the `megatrain:` section of {path}: {exc}") from exc
     check_accelerate_keys(data, path)
     return data, config
 
@@ -67,32 +69,32 @@ def check_accelerate_keys(keys: dict, path: str) -> None:
     environments = [e.value for e in ComputeEnvironment]
     environment = keys.get("compute_environment", ComputeEnvironment.LOCAL_MACHINE.value)
     if environment not in environments:
-        raise ValueError(
+        raise MegatrainConfigError(
             f"{path}: compute_environment={environment!r} is not one of {accelerate}'s {environments}. "
             "Fix: compute_environment: LOCAL_MACHINE"
         )
     for key in ("distributed_type", "mixed_precision"):
         if isinstance(keys.get(key), bool):  # YAML 1.1 reads an unquoted NO / no as false
             quoted = '"NO"' if key == "distributed_type" else '"no"'
-            raise ValueError(
+            raise MegatrainConfigError(
                 f"{path}: {key}={keys[key]!r}: YAML reads an unquoted NO/no as the boolean false. "
                 f"Fix: quote it, {key}: {quoted}"
             )
     precisions = [p.value for p in PrecisionType]
     if keys.get("mixed_precision") not in (None, *precisions):
-        raise ValueError(
+        raise MegatrainConfigError(
             f"{path}: mixed_precision={keys['mixed_precision']!r} is not one of {accelerate}'s {precisions}. "
             'Fix: mixed_precision: bf16 on a GPU, mixed_precision: "no" on a CPU'
         )
     if "distributed_type" not in keys:
-        raise ValueError(
+        raise MegatrainConfigError(
             f"{path} has no distributed_type, which {accelerate} requires. "
             'Fix: add distributed_type: "NO" (one process), as in configs/megatrain_cpu.yaml'
         )
     local = environment == ComputeEnvironment.LOCAL_MACHINE.value
     distributed = [d.value for d in (DistributedType if local else SageMakerDistributedType)]
     if keys["distributed_type"] not in distributed:
-        raise ValueError(
+        raise MegatrainConfigError(
             f"{path}: distributed_type={keys['distributed_type']!r} is not one of {accelerate}'s {distributed} "
             f"(compute_environment {environment}). Fix: distributed_type: \"NO\" (one process)"
         )
@@ -109,14 +111,14 @@ def check_accelerate_keys(keys: dict, path: str) -> None:
             else:
                 close = difflib.get_close_matches(key, allowed, n=1)
                 hints.append(f"{key!r}: did you mean {close[0]!r}?" if close else f"{key!r}: remove it")
-        raise ValueError(
+        raise MegatrainConfigError(
             f"{path} has accelerate key(s) that {accelerate} does not know: {unknown} ({'; '.join(hints)}). "
             f"Allowed top-level keys: {allowed}, plus the `megatrain:` section."
         )
     try:
         cls(**values)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"{path}: {accelerate} refuses its accelerate keys: {exc}") from exc
+        raise MegatrainConfigError(f"{path}: {accelerate} refuses its accelerate keys: {exc}") from exc
 
 
 def launch(argv: list[str]) -> int:

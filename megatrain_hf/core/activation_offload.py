@@ -28,6 +28,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import HostMemoryError, UsageError
+
 logger = logging.getLogger(__name__)
 
 MAX_PENDING = 4  # downloads the compute stream may run ahead of
@@ -81,7 +83,7 @@ class CheckpointOffload:
             free.clear()
         available = self._available_bytes()
         if available - self._headroom < nbytes:
-            raise MemoryError(
+            raise HostMemoryError(
                 f"megatrain: offloading activation checkpoints needs {_size(nbytes)} more host RAM (the pool "
                 f"holds {_size(self.pool_bytes)}; {_size(available)} available, {_size(self._headroom)} kept "
                 "free). Fix: fewer micro-batches in flight (a smaller gradient_accumulation_steps, or "
@@ -105,7 +107,7 @@ class CheckpointOffload:
                 compute.wait_event(copied)
                 force -= 1
             if x._version != version:
-                raise RuntimeError(
+                raise UsageError(
                     "megatrain: a layer's input was modified in place after the layer used it, before its "
                     "activation checkpoint was copied to the host (offload_checkpoints=True); autograd would "
                     "refuse the same with save_for_backward. Do not modify hidden states in place."
@@ -155,7 +157,7 @@ class CheckpointOffload:
     def load(self, ckpt: Checkpoint) -> torch.Tensor:
         """The checkpoint on the device, usable on the current stream; its host buffer is released."""
         if ckpt.host is None:
-            raise RuntimeError(
+            raise UsageError(
                 "megatrain: an offloaded activation checkpoint was used by a second backward over the same "
                 "graph (retain_graph=True, or torch.autograd.grad before backward); offload_checkpoints "
                 "supports one backward per forward"

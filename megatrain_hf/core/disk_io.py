@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from ..errors import DiskIOError, MegatrainConfigError
+
 logger = logging.getLogger(__name__)
 
 ALIGN = 4096
@@ -71,7 +73,7 @@ class DiskIO:
 
     def __init__(self, threads: int = 4, request_bytes: int = DEFAULT_REQUEST_BYTES, direct: bool = True) -> None:
         if request_bytes < ALIGN or request_bytes % ALIGN:
-            raise ValueError(f"DiskIO request_bytes={request_bytes}: must be a positive multiple of {ALIGN}")
+            raise MegatrainConfigError(f"DiskIO request_bytes={request_bytes}: must be a positive multiple of {ALIGN}")
         self.request_bytes = request_bytes
         self.want_direct = direct
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="megatrain-disk")
@@ -162,10 +164,10 @@ class DiskIO:
                         for i in range(0, len(view), step)])
 
 
-def io_error(what: str, path: str, nbytes: int, offset: int, exc: OSError) -> OSError:
-    return OSError(exc.errno, f"megatrain disk tier: {what} {nbytes} bytes at offset {offset} of {path} failed: "
-                              f"{exc.strerror or exc}" + (" (the disk is full: free space on it or choose "
-                                                          "another offload_dir)" if exc.errno == errno.ENOSPC else ""))
+def io_error(what: str, path: str, nbytes: int, offset: int, exc: OSError) -> DiskIOError:
+    return DiskIOError(exc.errno, f"megatrain disk tier: {what} {nbytes} bytes at offset {offset} of {path} failed: "
+                       f"{exc.strerror or exc}" + (" (the disk is full: free space on it or choose "
+                                                   "another offload_dir)" if exc.errno == errno.ENOSPC else ""))
 
 
 def _read_piece(fd: int, path: str, view, offset: int) -> None:
@@ -196,15 +198,17 @@ RUN_DIR_PREFIX = "megatrain-state-"
 def check_offload_dir(offload_dir) -> str:
     """``offload_dir`` as an absolute path, or a ``ValueError`` naming the problem and the fix."""
     if not isinstance(offload_dir, (str, os.PathLike)) or not str(offload_dir):
-        raise ValueError(f"offload_dir={offload_dir!r}: must be the path of an existing, writable directory "
-                         "(e.g. offload_dir='/nvme/megatrain'), or None to keep the optimizer state in RAM.")
+        raise MegatrainConfigError(f"offload_dir={offload_dir!r}: must be the path of an existing, writable directory "
+                                   "(e.g. offload_dir='/nvme/megatrain'), or None to keep the optimizer state in RAM.")
     path = os.path.abspath(os.fspath(offload_dir))
     if not os.path.exists(path):
-        raise ValueError(f"offload_dir={str(offload_dir)!r} does not exist. Fix: create it (mkdir -p {path}) on a "
-                         "local disk with room for the optimizer state, or point offload_dir at one.")
+        raise MegatrainConfigError(
+            f"offload_dir={str(offload_dir)!r} does not exist. Fix: create it (mkdir -p {path}) on a "
+            "local disk with room for the optimizer state, or point offload_dir at one.")
     if not os.path.isdir(path):
-        raise ValueError(f"offload_dir={str(offload_dir)!r} is a file, not a directory. Fix: point offload_dir at "
-                         "a directory (megatrain creates its own sub-directory inside it).")
+        raise MegatrainConfigError(
+            f"offload_dir={str(offload_dir)!r} is a file, not a directory. Fix: point offload_dir at "
+            "a directory (megatrain creates its own sub-directory inside it).")
     reason = None if os.access(path, os.W_OK | os.X_OK) else "no write permission"
     if reason is None:
         try:  # a read-only filesystem (or root on one) passes os.access: try it
@@ -214,8 +218,9 @@ def check_offload_dir(offload_dir) -> str:
         except OSError as exc:
             reason = exc.strerror or str(exc)
     if reason is not None:
-        raise ValueError(f"offload_dir={str(offload_dir)!r} is not writable by this process ({reason}). Fix: choose "
-                         f"a directory on a writable local disk, or change its permissions (chmod u+wx {path}).")
+        raise MegatrainConfigError(
+            f"offload_dir={str(offload_dir)!r} is not writable by this process ({reason}). Fix: choose "
+            f"a directory on a writable local disk, or change its permissions (chmod u+wx {path}).")
     return path
 
 

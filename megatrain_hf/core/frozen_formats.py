@@ -29,6 +29,8 @@ from typing import Callable
 
 import torch
 
+from ..errors import MegatrainConfigError
+
 SCHEMES = ("int8", "nf4")
 BLOCK = 64  # NF4 elements per absmax (bitsandbytes' default blocksize)
 BLOCK2 = 256  # absmaxes per second-level absmax (bitsandbytes' nested blocksize)
@@ -122,7 +124,7 @@ def quant_format(scheme: str, shape: tuple[int, ...], dtype: torch.dtype) -> Qua
     """The layout of a ``shape`` tensor quantized with ``scheme``; None if the scheme cannot take it
     (not a matrix, or for NF4 a size that is not a multiple of the block)."""
     if scheme not in SCHEMES:
-        raise ValueError(f"quantization scheme {scheme!r}; allowed: {SCHEMES}")
+        raise MegatrainConfigError(f"quantization scheme {scheme!r}; allowed: {SCHEMES}")
     shape = tuple(int(s) for s in shape)
     if len(shape) != 2 or 0 in shape:
         return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import IncompatibleOptionsError, UsageError
 from .layout import Entry
 
 BF16_FIX = "Fix: MegaTrainConfig(grad_dtype='fp32') (the default), which accumulates any gradient exactly."
@@ -45,8 +46,9 @@ def resolve_grad_dtype(grad_dtype: str, compute_dtype: torch.dtype, distributed:
            f"this torch ({torch.__version__}) has no Tensor.grad_dtype (torch >= 2.10 has)"
            if not hasattr(torch.Tensor, "grad_dtype") else None)
     if why is not None:
-        raise ValueError(f"MegaTrainConfig(grad_dtype={grad_dtype!r}) keeps the one bf16 gradient a bf16 weight gets "
-                         f"per step, but {why}. {BF16_FIX}")
+        raise IncompatibleOptionsError(
+            f"MegaTrainConfig(grad_dtype={grad_dtype!r}) keeps the one bf16 gradient a bf16 weight gets "
+            f"per step, but {why}. {BF16_FIX}")
     return torch.bfloat16
 
 
@@ -106,12 +108,12 @@ class GradAccumulators:
     def check_single(self, e: Entry, grad: torch.Tensor, name: str) -> None:
         """Raise unless ``grad`` may land in ``e``'s bf16 accumulator exactly (its one bf16 gradient)."""
         if grad.dtype != self.grad_dtype:
-            raise RuntimeError(
+            raise UsageError(
                 f"megatrain: the gradient of {name} arrived in {grad.dtype}, but its accumulator is "
                 f"{self.grad_dtype} (grad_dtype='bf16' holds the one bf16 gradient a bf16 weight gets per step; "
                 f"rounding this one would change the result). {BF16_FIX}")
         if e.tensor.grad is not None:
-            raise RuntimeError(
+            raise UsageError(
                 f"megatrain: {name} received a second gradient in one optimizer step (gradient accumulation, "
                 "a module called twice in one forward, or a zero_grad(set_to_none=False) that kept the last "
                 "step's), which a bf16 accumulator cannot add exactly. " + BF16_FIX)

@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from ..errors import BackgroundWorkerError
 from .layout import Entry
 from .norms import NormBook
 from .workers import start_worker
@@ -203,9 +204,9 @@ class StreamLanding(InlineLanding):
             while self._pending > at_most:
                 self._cond.wait(timeout=1.0)
                 if self._worker is not None and not self._worker.is_alive():
-                    raise RuntimeError("megatrain gradient worker died")
+                    raise BackgroundWorkerError("megatrain gradient worker died")
 
     def raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"megatrain gradient accumulation failed: {error!r}") from error
+            raise BackgroundWorkerError(f"megatrain gradient accumulation failed: {error!r}") from error

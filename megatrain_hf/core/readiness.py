@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 
+from ..errors import BackgroundWorkerError
+
 
 class UnitGates:
     def __init__(self, names: list[str]) -> None:
@@ -66,7 +68,7 @@ class UnitGates:
                     if w is worker:
                         self._updaters[v] = None
                         self._ready[v].set()
-                raise RuntimeError(
+                raise BackgroundWorkerError(
                     f"megatrain: the thread updating unit {u} ({self.names[u]}), {worker.name!r}, ended "
                     "before finishing its update; the optimizer was closed or garbage-collected while an "
                     "update was pending. Restart from the last checkpoint."
@@ -75,7 +77,7 @@ class UnitGates:
     def raise_error(self) -> None:
         if self.error is not None:
             error, self.error = self.error, None
-            raise RuntimeError(f"megatrain background update failed: {error!r}") from error
+            raise BackgroundWorkerError(f"megatrain background update failed: {error!r}") from error
 
 
 def zero_grad_after(synchronize, zero_grad, set_to_none: bool = True) -> None:

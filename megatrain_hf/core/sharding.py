@@ -25,6 +25,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ..errors import CollectiveError, IncompatibleOptionsError
 from . import host_pages
 
 logger = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class UnitSharding:
         try:
             fn()
         except Exception as exc:
-            raise RuntimeError(
+            raise CollectiveError(
                 f"megatrain rank {self.rank}/{self.world_size}: the {what} of unit {u} failed ({exc}). Another "
                 "rank stopped or raised (its error is in its own output); every rank stops."
             ) from exc
@@ -195,8 +196,9 @@ def sharding_from_env(num_units: int, enabled, timeout_s: float) -> UnitSharding
     running = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not running:
         if enabled is True:
-            raise ValueError("megatrain: data_parallel=True but torch.distributed is not initialised with more "
-                             "than one rank. Fix: launch with torchrun / accelerate launch --num_processes N, "
-                             "or data_parallel='auto'.")
+            raise IncompatibleOptionsError(
+                "megatrain: data_parallel=True but torch.distributed is not initialised with more "
+                "than one rank. Fix: launch with torchrun / accelerate launch --num_processes N, "
+                "or data_parallel='auto'.")
         return None
     return UnitSharding(num_units, timeout_s)

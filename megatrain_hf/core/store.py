@@ -44,6 +44,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import AttachedModelError, PinnedMemoryError
 from .frozen_formats import QuantWork, quantize_into, quantize_tensor
 from .grad_accumulators import GradAccumulators
 from .host_pages import TRIM_EVERY_BYTES, trim
@@ -103,9 +104,9 @@ class UnitBuffers:
         self.staged_master, self.master_tail = flat[: self.n_staged], flat[self.n_staged :]
 
 
-def unfrozen_error(unit_name: str, entry_name: str) -> ValueError:
+def unfrozen_error(unit_name: str, entry_name: str) -> AttachedModelError:
     """A parameter frozen when the store laid it out (no master, gradient or state) is trainable now."""
-    return ValueError(
+    return AttachedModelError(
         f"megatrain: {unit_name}.{entry_name} was frozen (requires_grad=False) when megatrain attached and is "
         "trainable now; the host store holds frozen weights without an fp32 master, gradient or optimizer "
         "state, so it cannot train. Fix: set requires_grad before building the Trainer (or before attach()), "
@@ -190,7 +191,7 @@ class HostStore:
         flat = raw[start : start + nbytes].view(dtype)  # shares raw's storage: raw stays alive
         err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), span, 0)
         if int(err) != 0:
-            raise RuntimeError(
+            raise PinnedMemoryError(
                 f"cudaHostRegister refused to pin {span / 2**30:.3f} GiB (error {int(err)}). "
                 "The OS limits page-locked memory (ulimit -l) or RAM is short. Fix: raise the "
                 "memlock limit, free host RAM, or set MegaTrainConfig(pin_memory=False) "

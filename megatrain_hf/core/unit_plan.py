@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import UnsupportedModelError
 from .layout import Entry, Kind, TensorSpec, UnitSizes, lay_out, wire_dtype
 from .frozen_formats import quant_format
 
@@ -31,7 +32,7 @@ def plan_units(units: list[tuple[str, torch.nn.Module]], embedding_units: frozen
                 entries.append(Entry(name, param, first.kind, owner, first.wire, first.offset, param.shape))
                 continue
             if param.device.type != "cpu":
-                raise ValueError(
+                raise UnsupportedModelError(
                     f"parameter {unit_name}.{name} is on {param.device}; megatrain needs the model "
                     "on the CPU (host RAM is its home). Load it without device_map / .to('cuda'), "
                     "e.g. AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)."

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from ..errors import DependencyError, IncompatibleOptionsError
+
 logger = logging.getLogger(__name__)
 
 # What TRL's ``_fused_forward`` closes over (trl 1.15 and 1.16); another set means another implementation,
@@ -118,7 +120,7 @@ def _trl_fused_forward(model: torch.nn.Module):
         if code is not None and "fused_lm_head" in code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]:
             if code.co_name == "_fused_forward" and module_name.startswith("trl."):
                 return func, sys.modules.get(module_name)
-            raise RuntimeError(
+            raise DependencyError(
                 f"megatrain: the model's forward ({module_name}.{code.co_name}) takes fused_lm_head but is not "
                 "TRL's fused LM head as this megatrain version knows it (trl 1.15-1.16); it would read lm_head.weight "
                 "from host RAM. Fix: use a trl version with that form, or open an issue with your trl version."
@@ -141,13 +143,13 @@ def check_trl_version() -> None:
     parts = tuple(int(p) for p in trl.__version__.split(".")[:2] if p.isdigit())
     low, high = SUPPORTED_TRL
     if not low <= parts < high:
-        raise RuntimeError(
+        raise DependencyError(
             f"megatrain: trl {trl.__version__} is outside the range whose fused LM head this megatrain version "
             f"knows (>= {'.'.join(map(str, low))}, < {'.'.join(map(str, high))}). Fix: pip install 'trl>=1.15,<1.17', "
             "or open an issue with your trl version."
         )
     if parts < (1, 16) and importlib.util.find_spec("triton") is None:
-        raise RuntimeError(
+        raise DependencyError(
             f"megatrain: trl {trl.__version__}'s fused LM head always runs its Triton kernel, and Triton is not "
             "installed here. Fix: pip install triton, or use trl 1.16 (which falls back to torch)."
         )
@@ -163,19 +165,19 @@ def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
     closure = dict(zip(func.__code__.co_freevars, (c.cell_contents for c in func.__closure__ or ())))
     differ = sorted(set(closure) ^ _CLOSURE) + [n for n in _MODULE_NAMES if not hasattr(module, n)]
     if differ:
-        raise RuntimeError(
+        raise DependencyError(
             f"megatrain: TRL's fused LM head ({module.__name__}._fused_forward) is not the form this megatrain "
             f"version knows (differs in {differ}); it would read lm_head.weight from host RAM. Fix: use a trl "
             "version with the form of trl 1.15-1.16, or open an issue with your trl version."
         )
     if closure["cast_lm_head_to_fp32"]:
-        raise ValueError(
+        raise IncompatibleOptionsError(
             "megatrain: TRL's fused LM head runs in fp32 here (cast_lm_head_to_fp32=True, e.g. "
             "GRPOConfig(cast_lm_head_to_fp32=True)); megatrain computes the head with the weights in the compute "
             "dtype. Fix: set cast_lm_head_to_fp32=False."
         )
     if type(engine.units[-1].module) is not torch.nn.Linear:
-        raise ValueError(
+        raise IncompatibleOptionsError(
             f"megatrain: TRL's fused LM head with a wrapped lm_head ({type(engine.units[-1].module).__name__}, e.g. "
             "PEFT's modules_to_save=['lm_head']) is not supported: TRL reads the wrapper's weight directly. Fix: "
             "leave lm_head out of modules_to_save / target_modules, or train it with full fine-tuning."
@@ -191,7 +193,8 @@ def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:
             return previous(*args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch,
                             **kwargs)
         if kwargs.get("output_router_logits"):
-            raise ValueError("megatrain: TRL's fused LM head with router logits (mixture of experts) is not supported")
+            raise IncompatibleOptionsError(
+                "megatrain: TRL's fused LM head with router logits (mixture of experts) is not supported")
         kwargs["use_cache"] = False
         outputs = getattr(model, backbone)(*args, **kwargs)
         if shift_labels is None:

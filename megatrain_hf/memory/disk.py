@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import DiskSpaceError, IncompatibleOptionsError
 from ..core.disk_io import ALIGN, align_up, check_offload_dir, remove_stale_run_dirs
-from ..core.layout import UnitSizes, moment_bytes, moment_parts
+from ..core.layout import UnitSizes
+from .host_tiers import moment_bytes, moment_parts
 from . import host as host_memory
 from .host import GiB, gib
 
@@ -49,7 +51,7 @@ def tier_bytes(sizes: list[UnitSizes], window: int = DEFAULT_WINDOW, units: list
     """The moments of ``units`` (default: every unit with trainable parameters) of units laid out as
     ``sizes`` on disk, in ``optimizer_state``'s format, and the fp32 masters ``[:n_staged]`` of those of
     ``masters`` that have any: per unit one file, the master first, then each of the moments' tensors
-    (fp32 flats, or codes and scales: ``core/layout.moment_parts``), each ALIGN-aligned; ``window``
+    (fp32 flats, or codes and scales: ``memory/host_tiers.moment_parts``), each ALIGN-aligned; ``window``
     slots of the largest in RAM."""
     units = [u for u, s in enumerate(sizes) if s.n_train] if units is None else units
     masters = tuple(u for u in units if u in set(masters) and sizes[u].n_staged)
@@ -74,7 +76,7 @@ def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
         free = disk_free_bytes(path)
     if needed + DISK_HEADROOM_BYTES <= free:
         return
-    raise MemoryError(
+    raise DiskSpaceError(
         f"megatrain's disk tier needs {gib(needed)} GiB in offload_dir={offload_dir!r} (+ {gib(DISK_HEADROOM_BYTES)} "
         f"GiB headroom) but its filesystem has {gib(free)} GiB free:\n"
         f"  optimizer state (AdamW moments, fp32 masters) {gib(needed):>8} GiB\n"
@@ -106,7 +108,7 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
     staging_default = host_staging is not False
     masters_possible = compute_dtype != torch.float32 and host_staging is not False and masters_allowed
     if offload_dir is not None and offload_state == "all" and not masters_possible:
-        raise ValueError(
+        raise IncompatibleOptionsError(
             f"offload_state='all' puts the fp32 masters on disk, which needs the bf16 staging copy that the device "
             f"streams instead of them; here {'compute is fp32' if compute_dtype == torch.float32 else 'host_staging=False' if host_staging is False else 'data parallelism broadcasts the masters from RAM'}"
             ", so the device reads the masters themselves. Fix: bf16 compute (bf16=True or compute_dtype='bf16') "

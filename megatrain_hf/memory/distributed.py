@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import MegatrainConfigError
 from ..core.grads import MAX_PENDING_SENDS
 from ..core.layout import lay_out
 from .plan import _DTYPE_BY_NAME, LORA_TARGETS, MemoryPlan, _layout
@@ -57,10 +58,10 @@ def plan_ranks(plan: MemoryPlan, world_size: int, nodes: int = 1, host_staging: 
     over ``world_size`` ranks on ``nodes`` hosts; ``gpu=False``: CPU ranks (one master slot, no
     gradient slot written)."""
     if type(world_size) is not int or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}: must be an int >= 1 (the number of processes / GPUs)")
+        raise MegatrainConfigError(f"world_size={world_size!r}: must be an int >= 1 (the number of processes / GPUs)")
     if type(nodes) is not int or nodes < 1 or world_size % nodes:
-        raise ValueError(f"nodes={nodes!r}: must be an int >= 1 that divides world_size={world_size} "
-                         "(torchrun starts the same number of processes on every host)")
+        raise MegatrainConfigError(f"nodes={nodes!r}: must be an int >= 1 that divides world_size={world_size} "
+                                   "(torchrun starts the same number of processes on every host)")
     dtype = _DTYPE_BY_NAME[plan.compute_dtype]
     units = _layout(plan.shape, plan.lora_rank, tuple(lora_targets))
     sizes = [lay_out(u.specs(dtype)) for u in units]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..errors import MegatrainConfigError
 from .host import DEFAULT_HEADROOM_BYTES, _check_int, gib
 from .activations import checkpoint_bytes
 from .plan import _COMPUTE_BYTES, _DTYPE_BY_NAME, LORA_TARGETS, _host_tiers, _layout
@@ -87,7 +88,7 @@ def largest_model(
     """
     _check_int("available_bytes", available_bytes, 0)
     if compute_dtype not in _COMPUTE_BYTES:
-        raise ValueError(f"compute_dtype={compute_dtype!r}; allowed: {sorted(_COMPUTE_BYTES)}")
+        raise MegatrainConfigError(f"compute_dtype={compute_dtype!r}; allowed: {sorted(_COMPUTE_BYTES)}")
     budget = available_bytes - headroom_bytes
 
     def total(shape: ModelShape) -> int:

@@ -13,7 +13,9 @@ import logging
 import psutil
 import torch
 
-from ..core.layout import TensorSpec, UnitSizes, host_tiers, lay_out, wire_dtype
+from ..errors import HostMemoryError, MegatrainConfigError
+from ..core.layout import TensorSpec, UnitSizes, lay_out, wire_dtype
+from .host_tiers import host_tiers
 from ..core.frozen_formats import quant_format
 
 logger = logging.getLogger(__name__)
@@ -48,7 +50,7 @@ def available_host_bytes() -> int:
 
 def _check_int(name: str, value, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
+        raise MegatrainConfigError(f"{name}={value!r}: must be an integer >= {minimum}")
     return value
 
 
@@ -148,7 +150,7 @@ def check_host_memory(
         "than it reports available (some VMs grow their RAM as it is used), "
         "MegaTrainConfig(check_host_memory=False) skips the check."
     )
-    raise MemoryError(message)
+    raise HostMemoryError(message)
 
 
 def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,

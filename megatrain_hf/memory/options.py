@@ -8,6 +8,8 @@ from typing import Annotated, Literal
 
 import torch
 
+from ..errors import MegatrainConfigError
+
 _SIZE_UNITS = {"B": 1, "MB": 10**6, "MiB": 2**20, "GB": 10**9, "GiB": 2**30, "TB": 10**12, "TiB": 2**40}
 
 
@@ -21,7 +23,7 @@ def parse_size(name: str, value) -> int | None:
         match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(GiB|GB|MiB|MB|TiB|TB)?\s*", value)
         if match and float(match.group(1)) > 0:
             return int(float(match.group(1)) * _SIZE_UNITS[match.group(2) or "B"])
-    raise ValueError(
+    raise MegatrainConfigError(
         f"MegaTrainConfig.{name}={value!r}; allowed: None, a positive byte count, or a size such as "
         "'24GiB', '20GB', '512MiB'."
     )
@@ -36,9 +38,10 @@ def _check_offload_dir(name: str, value) -> None:
 
 def _check_window(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise ValueError(f"MegaTrainConfig.{name}={value!r}; allowed: an int >= 2 (the unit updating and the one "
-                         "written back behind it; each slot more reads one unit further ahead). Fix: offload_window=4, "
-                         "the default.")
+        raise MegatrainConfigError(
+            f"MegaTrainConfig.{name}={value!r}; allowed: an int >= 2 (the unit updating and the one "
+            "written back behind it; each slot more reads one unit further ahead). Fix: offload_window=4, "
+            "the default.")
 
 
 @dataclass(kw_only=True)

@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..errors import IncompatibleOptionsError, MegatrainConfigError
 from ..core.grads import MAX_PENDING_SENDS
 from ..core.layout import MOMENT_FORMATS, aligned
 from ..core.layout import loss_chunk_tokens as loss_chunk
@@ -267,7 +268,7 @@ def plan_memory(
     _check_int("micro_batch", micro_batch)
     _check_int("grad_accum", grad_accum)
     if compute_dtype not in _COMPUTE_BYTES:
-        raise ValueError(
+        raise MegatrainConfigError(
             f"compute_dtype={compute_dtype!r} is not supported; allowed: {sorted(_COMPUTE_BYTES)}. "
             "fp16 is not supported by megatrain (use bf16)."
         )
@@ -276,26 +277,29 @@ def plan_memory(
         _check_int("lora_rank", lora_rank)
         unknown = sorted(set(lora_targets) - set(LORA_TARGETS))
         if unknown or not lora_targets:
-            raise ValueError(
+            raise MegatrainConfigError(
                 f"lora_targets={list(lora_targets)!r}: unknown or empty ({unknown}); allowed: a non-empty "
                 f"subset of {list(LORA_TARGETS)}."
             )
     if base_quantization not in ("none", "int8", "nf4"):
-        raise ValueError(f"base_quantization={base_quantization!r}; allowed: 'none', 'int8' or 'nf4'.")
+        raise MegatrainConfigError(f"base_quantization={base_quantization!r}; allowed: 'none', 'int8' or 'nf4'.")
     if base_quantization != "none" and lora_rank is None:
-        raise ValueError(f"base_quantization={base_quantization!r} quantizes frozen LoRA base weights; a full "
-                         "fine-tune trains every weight in fp32. Fix: also give lora_rank (--lora-rank R).")
+        raise IncompatibleOptionsError(
+            f"base_quantization={base_quantization!r} quantizes frozen LoRA base weights; a full "
+            "fine-tune trains every weight in fp32. Fix: also give lora_rank (--lora-rank R).")
     cbytes = _COMPUTE_BYTES[compute_dtype]
     dtype_name = "bf16" if cbytes == 2 else "fp32"
     dtype = _DTYPE_BY_NAME[compute_dtype]
     units = _layout(shape, lora_rank, lora_targets, base_quantization)
     if optimizer_state not in MOMENT_FORMATS:
-        raise ValueError(f"optimizer_state={optimizer_state!r} is not known; allowed: {list(MOMENT_FORMATS)}.")
+        raise MegatrainConfigError(
+            f"optimizer_state={optimizer_state!r} is not known; allowed: {list(MOMENT_FORMATS)}.")
     if grad_dtype not in ("fp32", "bf16"):
-        raise ValueError(f"grad_dtype={grad_dtype!r} is not known; allowed: 'fp32', 'bf16'.")
+        raise MegatrainConfigError(f"grad_dtype={grad_dtype!r} is not known; allowed: 'fp32', 'bf16'.")
     if grad_dtype == "bf16" and (cbytes != 2 or grad_accum != 1):
-        raise ValueError(f"grad_dtype='bf16' keeps one bf16 gradient per weight and step; it needs bf16 compute and "
-                         f"grad_accum=1 (here {dtype_name}, grad_accum={grad_accum}). Fix: grad_dtype='fp32'.")
+        raise IncompatibleOptionsError(
+            f"grad_dtype='bf16' keeps one bf16 gradient per weight and step; it needs bf16 compute and "
+            f"grad_accum=1 (here {dtype_name}, grad_accum={grad_accum}). Fix: grad_dtype='fp32'.")
     tiers = _host_tiers(units, dtype, host_staging, optimizer_state,
                         torch.bfloat16 if grad_dtype == "bf16" else torch.float32)
 

@@ -10,6 +10,8 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import MegatrainConfigError, UnsupportedModelError
+
 logger = logging.getLogger(__name__)
 
 _TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text", "cohere", "starcoder2", "smollm3")
@@ -87,20 +89,20 @@ class ModelShape:
         for f in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab"):
             value = getattr(self, f)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelShape.{f}={value!r}: must be a positive integer")
+                raise MegatrainConfigError(f"ModelShape.{f}={value!r}: must be a positive integer")
         if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 1):
-            raise ValueError(f"ModelShape.head_dim={self.head_dim!r}: must be a positive integer or None")
+            raise MegatrainConfigError(f"ModelShape.head_dim={self.head_dim!r}: must be a positive integer or None")
         if self.head_dim is None and self.hidden % self.heads:
-            raise ValueError(
+            raise MegatrainConfigError(
                 f"ModelShape hidden={self.hidden} is not divisible by heads={self.heads}; "
                 "set head_dim explicitly."
             )
         if self.experts and (not isinstance(self.expert_intermediate, int) or self.expert_intermediate < 1):
-            raise ValueError(
+            raise MegatrainConfigError(
                 f"ModelShape experts={self.experts} needs expert_intermediate >= 1 (got {self.expert_intermediate!r})"
             )
         if self.heads % self.kv_heads:
-            raise ValueError(
+            raise MegatrainConfigError(
                 f"ModelShape heads={self.heads} is not a multiple of kv_heads={self.kv_heads} (GQA groups "
                 "must be equal); allowed: any kv_heads dividing heads."
             )
@@ -213,7 +215,7 @@ class ModelShape:
                 missing.append(attr)
             values[key] = value
         if missing:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"config (model_type={model_type!r}) lacks {missing}; the memory planner reads Llama-style "
                 f"configs with {sorted(required.values())}. Fix: pass the config.json of a decoder-only "
                 "causal LM (Llama, Mistral, Qwen2/3, Gemma) or use a preset."
@@ -260,7 +262,7 @@ class ModelShape:
         def get(key: str) -> Any:
             value = getattr(config, key, None)
             if value is None:
-                raise ValueError(f"GPT-2 config lacks {key!r}; pass a GPT2Config's config.json.")
+                raise UnsupportedModelError(f"GPT-2 config lacks {key!r}; pass a GPT2Config's config.json.")
             return value
 
         hidden = get("n_embd")
@@ -277,7 +279,7 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
     if key is None:
         return {}
     if model_type not in ("mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
-        raise ValueError(
+        raise UnsupportedModelError(
             f"config of model_type={model_type!r} has {key}={getattr(config, key)}: the memory planner models "
             "the experts of mixtral, olmoe, qwen2_moe and qwen3_moe only (router, fused gate_up_proj and "
             "down_proj, Qwen2-MoE's shared expert). Fix: plan a supported family, or a dense shape of equal size."
@@ -328,9 +330,9 @@ def model_config(model: str):
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
-            raise ValueError(f"--model {model!r} is a directory without config.json; pass a model directory.")
+            raise MegatrainConfigError(f"--model {model!r} is a directory without config.json; pass a model directory.")
     if not os.path.isfile(path):
-        raise ValueError(
+        raise MegatrainConfigError(
             f"--model {model!r} is neither a preset nor a path; presets: {sorted(PRESETS)}; or pass a "
             "directory containing config.json or a config.json file (for a Hub model, download its "
             "config.json first, e.g. `hf download <repo> config.json --local-dir <dir>`)."
@@ -363,9 +365,9 @@ def _read_config(path: str) -> Any:
         try:
             raw = json.load(f)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is not valid JSON ({exc}); pass a model's config.json.") from exc
+            raise MegatrainConfigError(f"{path} is not valid JSON ({exc}); pass a model's config.json.") from exc
     if not isinstance(raw, dict):
-        raise ValueError(f"{path} holds a JSON {type(raw).__name__}, not a config object.")
+        raise MegatrainConfigError(f"{path} holds a JSON {type(raw).__name__}, not a config object.")
     try:
         from transformers import AutoConfig  # lazy: only this path needs transformers
 

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..errors import IncompatibleOptionsError, MegatrainConfigError, UnsupportedModelError
 from ..core.frozen_formats import SCHEMES
 from .shards import ShardReader, Stored
 
@@ -40,7 +41,7 @@ def quantized_weights(model: nn.Module, scheme: str, stored: dict[int, str] | No
     must be such base weights, quantized with ``scheme``."""
     schemes = set((stored or {}).values())
     if schemes and schemes != {scheme}:
-        raise ValueError(
+        raise IncompatibleOptionsError(
             f"megatrain: the checkpoint holds weights quantized by bitsandbytes as {sorted(schemes)} but "
             f"base_quantization={scheme!r}. Fix: MegaTrainConfig(base_quantization={sorted(schemes)[0]!r}) "
             "(the stored weights are read as they are), or load the unquantized checkpoint."
@@ -48,13 +49,13 @@ def quantized_weights(model: nn.Module, scheme: str, stored: dict[int, str] | No
     if scheme == "none":
         return {}
     if scheme not in SCHEMES:
-        raise ValueError(f"MegaTrainConfig.base_quantization={scheme!r}; allowed: 'none', "
-                         + ", ".join(repr(s) for s in SCHEMES) + ".")
+        raise MegatrainConfigError(f"MegaTrainConfig.base_quantization={scheme!r}; allowed: 'none', "
+                                   + ", ".join(repr(s) for s in SCHEMES) + ".")
     layers = lora_layers(model)
     name = type(model).__name__
     if not layers:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        raise ValueError(
+        raise IncompatibleOptionsError(
             f"megatrain: base_quantization={scheme!r} quantizes the frozen base weights of PEFT-wrapped Linear "
             f"layers (LoRA), but no module of this {name} is wrapped by PEFT ({trainable / 1e6:.1f}M trainable "
             f"parameters: a full fine-tune keeps fp32 masters of every weight, which cannot be quantized). "
@@ -68,14 +69,14 @@ def quantized_weights(model: nn.Module, scheme: str, stored: dict[int, str] | No
     for layer_name, layer in layers:
         weight = layer.base_layer.weight
         if weight.requires_grad:
-            raise ValueError(
+            raise IncompatibleOptionsError(
                 f"megatrain: base_quantization={scheme!r} but {layer_name}.base_layer.weight is trainable "
                 "(requires_grad=True): a quantized base is frozen, only the LoRA adapters (and modules_to_save) "
                 "train. Fix: freeze the base weights (peft.get_peft_model does) or set "
                 "MegaTrainConfig(base_quantization='none') to train them in fp32."
             )
         if owners.get(id(weight), 0) > 1:
-            raise ValueError(
+            raise IncompatibleOptionsError(
                 f"megatrain: base_quantization={scheme!r} but {layer_name}.base_layer.weight is tied to another "
                 "parameter (e.g. an lm_head tied to the input embedding), which would read it unquantized. "
                 "Fix: leave that module out of LoraConfig(target_modules=...) or untie the weights."
@@ -83,7 +84,7 @@ def quantized_weights(model: nn.Module, scheme: str, stored: dict[int, str] | No
         chosen[id(weight)] = scheme
     outside = [n for n, p in model.named_parameters() if id(p) in (stored or {}) and id(p) not in chosen]
     if outside:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"megatrain: {outside[:3]} are stored quantized by bitsandbytes but are not the base weight of a PEFT "
             f"LoRA layer. Fix: add their modules to LoraConfig(target_modules=...)."
         )

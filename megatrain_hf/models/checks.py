@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import TrainingDataError, UnsupportedModelError, UsageError
 from .families import CACHE_KWARGS, Units
 
 
@@ -18,7 +19,7 @@ def check_coverage(model: nn.Module, units: Units) -> None:
     covered = {id(p) for m in units.modules for p in m.parameters()}
     stray = [n for n, p in model.named_parameters() if id(p) not in covered]
     if stray:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"{len(stray)} parameter(s) live outside the streamed units and would stay on the host: "
             f"{stray[:5]}. megatrain supports models whose weights are all in the embedding, decoder "
             "layers, final norm and lm_head."
@@ -28,7 +29,7 @@ def check_coverage(model: nn.Module, units: Units) -> None:
 def check_fp32(model: nn.Module) -> None:
     floating = {p.dtype for p in model.parameters() if p.requires_grad}
     if floating - {torch.float32}:
-        raise ValueError(
+        raise UnsupportedModelError(
             f"trainable parameters are {sorted(str(d) for d in floating)}; megatrain keeps fp32 masters. "
             "Load the model with dtype=torch.float32 (e.g. from_pretrained(path, dtype=torch.float32)); "
             "the compute still runs in bf16 with TrainingArguments(bf16=True)."
@@ -77,9 +78,9 @@ def limit_reason(config) -> str:
 
 
 def sequence_too_long(seq: int, limit: int, model_type: str, where: str = "a training sequence",
-                      reason: str | None = None) -> ValueError:
+                      reason: str | None = None) -> TrainingDataError:
     reason = reason or f"the model's max_position_embeddings={limit}"
-    return ValueError(
+    return TrainingDataError(
         f"megatrain: {where} has {seq} tokens, more than {reason} "
         f"({model_type}): positions past it were never trained, and the loss would be computed on them "
         f"silently. Fix: truncate the data to <= {limit} tokens (e.g. tokenizer(..., truncation=True, "
@@ -116,7 +117,7 @@ def check_side_inputs(unit_name: str, rest: tuple, kwargs: dict) -> None:
     for value in (*rest, *kwargs.values()):
         for t in (value if isinstance(value, (tuple, list)) else (value,)):
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                raise RuntimeError(
+                raise UsageError(
                     f"streamed unit {unit_name} received a side input that requires grad (shape "
                     f"{tuple(t.shape)}); megatrain differentiates only the unit's main input (hidden "
                     "states). Trainable rotary/position tables are not supported."
@@ -136,7 +137,7 @@ def without_cache(unit_name: str, module: nn.Module, args: tuple, kwargs: dict) 
         layer_idx = getattr(getattr(module, "self_attn", None), "layer_idx", 0)
         seen = cache.get_seq_length(layer_idx) if hasattr(cache, "get_seq_length") else 0
         if seen:
-            raise RuntimeError(
+            raise UsageError(
                 f"streamed unit {unit_name} got a KV cache holding {seen} tokens in a training "
                 "(grad-enabled) call; megatrain does not train through a pre-filled cache. Pass "
                 "use_cache=False / no past_key_values when training."

@@ -30,6 +30,8 @@ from typing import Callable
 
 from torch import nn
 
+from ..errors import UnsupportedModelError
+
 INPUT_KWARGS = ("hidden_states", "input_ids", "input", "inputs_embeds")
 """Keyword names under which a unit may receive its main input."""
 CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
@@ -64,7 +66,7 @@ def decoder_units(embeddings: tuple[str, ...] = ("embed_tokens",), layers: str =
         if head is None and type(base).__name__.endswith("ForSequenceClassification"):
             head = getattr(base, "score", None)
         if head is None:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"{type(base).__name__} has neither an LM head (get_output_embeddings()) nor a sequence "
                 "classification `score` head; megatrain trains causal LMs (AutoModelForCausalLM) and sequence "
                 "classifiers of the same families (AutoModelForSequenceClassification). For other heads, train "
@@ -75,7 +77,8 @@ def decoder_units(embeddings: tuple[str, ...] = ("embed_tokens",), layers: str =
         ordered: list[nn.Module] = [*tables, *getattr(decoder, layers), getattr(decoder, norm), head]
         missing = [m for m in ordered if id(m) not in names_by_id]
         if missing:
-            raise ValueError(f"could not name {len(missing)} unit(s) of {type(base).__name__} inside the model")
+            raise UnsupportedModelError(
+                f"could not name {len(missing)} unit(s) of {type(base).__name__} inside the model")
         return Units([names_by_id[id(m)] for m in ordered], ordered, frozenset(range(len(tables))))
 
     return locate
@@ -140,5 +143,5 @@ def family_of(model: nn.Module) -> Family:
     model_type = getattr(config, "model_type", None)
     family = FAMILIES.get(model_type)
     if family is None:
-        raise ValueError(unsupported_message(model_type, type(unwrap(model)).__name__))
+        raise UnsupportedModelError(unsupported_message(model_type, type(unwrap(model)).__name__))
     return family

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from ..errors import CheckpointError, MegatrainConfigError, UnreadableCheckpointError, UnsupportedModelError, UsageError
 from ..core.patcher import Patcher
 from .model_patches import wrapper_chain
 from .prequantized import Prequantized, find
@@ -134,7 +135,7 @@ class DeferredWeights:
         if hit is None:
             return None
         if hit[0] in self.prequantized:
-            raise ValueError(
+            raise UnsupportedModelError(
                 f"megatrain: {hit[0]} is stored quantized by bitsandbytes ({self.prequantized[hit[0]].scheme}) in "
                 f"{self.path}, and this weight is not stored quantized here. Fix: wrap its Linear with PEFT LoRA and "
                 f"set MegaTrainConfig(base_quantization='{self.prequantized[hit[0]].scheme}'), or load the "
@@ -151,8 +152,9 @@ class DeferredWeights:
         """Every placeholder was read: lift the guards and forget the checkpoint."""
         left = [n for n, p in model.named_parameters() if self.key_of(p) is not None]
         if left:
-            raise RuntimeError(f"megatrain: {len(left)} parameter(s) of the model were not read from {self.path}: "
-                               f"{left[:5]}. Their values would be NaN placeholders.")
+            raise UnreadableCheckpointError(
+                f"megatrain: {len(left)} parameter(s) of the model were not read from {self.path}: "
+                f"{left[:5]}. Their values would be NaN placeholders.")
         self.close()
         self.guards.undo()
         self.pending.clear()
@@ -165,8 +167,8 @@ class DeferredWeights:
     def install_guards(self, model: nn.Module) -> None:
         name = type(model).__name__
 
-        def refuse(what: str) -> RuntimeError:
-            return RuntimeError(
+        def refuse(what: str) -> UsageError:
+            return UsageError(
                 f"megatrain: {what} of this {name} is refused: its weights are still in {self.path} (built by "
                 "megatrain_hf.from_pretrained, which reads them into megatrain's host store when megatrain attaches: "
                 "Trainer with MegaTrainPlugin, megatrain_hf.Trainer, megatrain_hf.attach). Attach first, or load "
@@ -239,7 +241,7 @@ def _bind(model: nn.Module, deferred: DeferredWeights) -> None:
                 buf.copy_(value.view(buf.shape))
     deferred.close()
     if missing or mismatched:
-        raise ValueError(
+        raise CheckpointError(
             f"the checkpoint in {deferred.path} does not fit {type(model).__name__}: "
             + (f"missing {len(missing)} weight(s) {missing[:5]}; " if missing else "")
             + (f"other shapes: {mismatched[:5]}; " if mismatched else "")
@@ -269,20 +271,21 @@ def from_pretrained(path: str | os.PathLike, *, config: Any = None, model_class:
 
     path = os.fspath(path)
     if not os.path.isdir(path):
-        raise ValueError(
+        raise MegatrainConfigError(
             f"megatrain_hf.from_pretrained({path!r}): not a local folder. Pass the folder model.save_pretrained() "
             "wrote; for a Hub model download it first (huggingface_hub.snapshot_download(repo_id))."
         )
     dtype = kwargs.pop("dtype", kwargs.pop("torch_dtype", torch.float32))
     if dtype not in (torch.float32, "float32", "auto"):
-        raise ValueError(
+        raise MegatrainConfigError(
             f"megatrain_hf.from_pretrained(dtype={dtype!r}): the parameters are megatrain's fp32 masters (frozen ones "
             "are kept in the compute dtype). Leave dtype unset; bf16 compute is TrainingArguments(bf16=True)."
         )
     refused = [k for k in _REFUSED_KWARGS if k in kwargs]
     if refused:
-        raise ValueError(f"megatrain_hf.from_pretrained does not take {refused}: the weights live in host RAM, "
-                         "read into megatrain's host store.")
+        raise MegatrainConfigError(
+            f"megatrain_hf.from_pretrained does not take {refused}: the weights live in host RAM, "
+            "read into megatrain's host store.")
     tensors = index_folder(path)
     if config is None:
         config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))

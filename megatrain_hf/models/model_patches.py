@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import AttachedModelError
 from ..core.patcher import Patcher
 from ..core.readiness import zero_grad_after
 from .checks import SequenceLengthCheck, limit_reason, position_limit
@@ -55,13 +56,13 @@ def _placement_guard(module: nn.Module, device: torch.device) -> Callable:
     def _apply(fn, recurse: bool = True):
         probe = fn(torch.empty(0))
         if probe.dtype != torch.float32:
-            raise ValueError(
+            raise AttachedModelError(
                 f"megatrain: cannot cast the attached {name} to {probe.dtype}: its parameters are the fp32 "
                 "masters in host RAM (the compute dtype is MegaTrainConfig.compute_dtype / bf16=True). "
                 "To cast the weights, call megatrain_hf.engine_of(model).detach() first."
             )
         if probe.device.type != "cpu" and probe.device != device:
-            raise ValueError(
+            raise AttachedModelError(
                 f"megatrain: cannot move the attached {name} to {probe.device}: its parameters live in host RAM "
                 f"and it computes on {device}. Set MegaTrainConfig(device=...) before attaching, or detach first."
             )

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+from ..errors import MegatrainConfigError
+
 
 def _positive_or_none(name: str, value) -> None:
     if value is not None and (type(value) is not int or value < 1):
-        raise ValueError(f"MegaTrainConfig.{name}={value!r}; allowed: None (automatic) or an int >= 1.")
+        raise MegatrainConfigError(f"MegaTrainConfig.{name}={value!r}; allowed: None (automatic) or an int >= 1.")
 
 
 @dataclass(kw_only=True)
@@ -29,7 +31,7 @@ class LossOptions:
 
 def _check_scheme(name: str, value) -> None:
     if value not in ("none", "int8", "nf4"):
-        raise ValueError(
+        raise MegatrainConfigError(
             f"MegaTrainConfig.{name}={value!r}; allowed: 'none', 'int8' (LLM.int8 row-wise absmax) or 'nf4' "
             "(bitsandbytes NF4, blocks of 64, double-quantized absmax). fp4 and other schemes are not supported: "
             "use 'nf4' for 4-bit."

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import UnsupportedModelError
 from ..core.frozen_formats import BLOCK, BLOCK2, QuantFormat, _pieces, dynamic_map, table
 from .shards import ShardReader, Stored
 
@@ -49,8 +50,8 @@ class Prequantized:
         views[3].fill_(self.offset)
 
 
-def _refuse(key: str, what: str) -> ValueError:
-    return ValueError(
+def _refuse(key: str, what: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
         f"megatrain: {key} is stored quantized by bitsandbytes with {what}; megatrain reads NF4 with blocksize 64 "
         "and double quantization (BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', "
         "bnb_4bit_use_double_quant=True)) or LLM.int8 (load_in_8bit=True). Fix: load the unquantized checkpoint "

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CheckpointError
+
 CHUNK_BYTES = 16 << 20
 """Bytes of the bounce buffer a tensor stored in another dtype than its destination is cast through."""
 
@@ -55,7 +57,7 @@ def read_header(path: str) -> dict[str, Stored]:
         raw = f.read(8)
         n = int.from_bytes(raw, "little") if len(raw) == 8 else -1
         if not 0 < n <= min(_MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"{path} is not a safetensors file (header length {n}, file {size} bytes)")
+            raise CheckpointError(f"{path} is not a safetensors file (header length {n}, file {size} bytes)")
         header = json.loads(f.read(n))
     base, out = 8 + n, {}
     for key, info in header.items():
@@ -63,12 +65,12 @@ def read_header(path: str) -> dict[str, Stored]:
             continue
         dtype = DTYPES.get(info.get("dtype"))
         if dtype is None:
-            raise ValueError(f"{path}: tensor {key!r} has dtype {info.get('dtype')!r}; readable: {sorted(DTYPES)}")
+            raise CheckpointError(f"{path}: tensor {key!r} has dtype {info.get('dtype')!r}; readable: {sorted(DTYPES)}")
         begin, end = info["data_offsets"]
         stored = Stored(path, dtype, tuple(info["shape"]), base + begin, base + end)
         if end - begin != stored.numel * dtype.itemsize or stored.end > size:
-            raise ValueError(f"{path}: tensor {key!r} has {end - begin} bytes for shape {stored.shape} of "
-                             f"{info['dtype']}, or lies past the end of the file (truncated?)")
+            raise CheckpointError(f"{path}: tensor {key!r} has {end - begin} bytes for shape {stored.shape} of "
+                                  f"{info['dtype']}, or lies past the end of the file (truncated?)")
         out[key] = stored
     return out
 
@@ -84,7 +86,7 @@ def index_folder(folder: str) -> dict[str, Stored]:
         files = [SINGLE_NAME]
     else:
         found = sorted(n for n in os.listdir(folder)) if os.path.isdir(folder) else []
-        raise ValueError(
+        raise CheckpointError(
             f"{folder} holds neither {INDEX_NAME} nor {SINGLE_NAME} (found: {found[:10]}). Pass the folder "
             "model.save_pretrained(...) wrote (safetensors; pytorch_model.bin pickles are not read)."
         )
@@ -121,7 +123,7 @@ class ShardReader:
         while done < len(view):
             n = f.readinto(view[done:])
             if not n:
-                raise ValueError(f"{path} ended at byte {offset + done}: the file is truncated")
+                raise CheckpointError(f"{path} ended at byte {offset + done}: the file is truncated")
             done += n
         self.bytes_read += done
 

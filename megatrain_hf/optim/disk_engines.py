@@ -29,6 +29,7 @@ import threading
 
 import torch
 
+from ..errors import DependencyError, MegatrainConfigError, PinnedMemoryError
 from ..core.disk_io import ALIGN, DiskIO, Pending, align_up, io_error
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def load_op():
                     _op_error = (f"DeepSpeed's async_io op did not load ({type(exc).__name__}: {exc}); it needs "
                                  "libaio (apt-get install libaio-dev, or dnf install libaio-devel) and a C++ compiler")
         if _op is None:
-            raise RuntimeError(_op_error)
+            raise DependencyError(_op_error)
         return _op
 
 
@@ -109,7 +110,7 @@ def deepspeed_unavailable(directory: str, window_bytes: int) -> str | None:
 def open_disk_io(disk_io: str, directory: str, window_bytes: int) -> DiskIO:
     """The engine ``disk_io`` names (one of :data:`CHOICES`) for files in ``directory``."""
     if disk_io not in CHOICES:
-        raise ValueError(f"disk_io={disk_io!r}; allowed: {', '.join(map(repr, CHOICES))}")
+        raise MegatrainConfigError(f"disk_io={disk_io!r}; allowed: {', '.join(map(repr, CHOICES))}")
     if disk_io == "threads":
         return DiskIO()
     reason = deepspeed_unavailable(directory, window_bytes)
@@ -117,8 +118,8 @@ def open_disk_io(disk_io: str, directory: str, window_bytes: int) -> DiskIO:
         logger.info("megatrain disk tier: DeepSpeed's async I/O op (libaio) moves the optimizer state")
         return DeepSpeedIO(load_op())
     if disk_io == "deepspeed":
-        raise RuntimeError(f"megatrain: disk_io='deepspeed' cannot be used: {reason}. Fix that, or set "
-                           "disk_io='threads' (the default) or 'auto' (DeepSpeed's op where it works).")
+        raise DependencyError(f"megatrain: disk_io='deepspeed' cannot be used: {reason}. Fix that, or set "
+                              "disk_io='threads' (the default) or 'auto' (DeepSpeed's op where it works).")
     logger.info("megatrain disk tier: disk_io='auto' uses the thread pool: %s", reason)
     return DiskIO()
 
@@ -137,7 +138,7 @@ class DeepSpeedIO(DiskIO):
         Its memory is released at process exit: torch cannot tie it to the tensor's lifetime here."""
         out = self._allocator.new_cpu_locked_tensor(align_up(max(nbytes, 1)), torch.empty(0, dtype=torch.uint8))
         if out.data_ptr() == 0:
-            raise MemoryError(f"megatrain disk tier: DeepSpeed could not page-lock {nbytes} bytes (mlock)")
+            raise PinnedMemoryError(f"megatrain disk tier: DeepSpeed could not page-lock {nbytes} bytes (mlock)")
         return out
 
     def _handle(self):

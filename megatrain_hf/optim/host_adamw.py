@@ -26,6 +26,7 @@ from collections import defaultdict
 
 import torch
 
+from ..errors import AttachedModelError, BackgroundWorkerError, MegatrainConfigError, UsageError
 from ..core.layout import Entry, Kind
 from ..core.readiness import zero_grad_after
 from ..core.store import HostStore, unfrozen_error
@@ -65,15 +66,16 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         disk_io: str = "threads",
     ) -> None:
         if not 0.0 <= eps:
-            raise ValueError(f"HostAdamW eps={eps}: must be >= 0")
+            raise MegatrainConfigError(f"HostAdamW eps={eps}: must be >= 0")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"HostAdamW betas={betas}: each must be in [0, 1)")
+            raise MegatrainConfigError(f"HostAdamW betas={betas}: each must be in [0, 1)")
         if weight_decay < 0.0:
-            raise ValueError(f"HostAdamW weight_decay={weight_decay}: must be >= 0")
+            raise MegatrainConfigError(f"HostAdamW weight_decay={weight_decay}: must be >= 0")
         if kernel not in ("torch", "native"):
-            raise ValueError(f"HostAdamW kernel={kernel!r}; allowed: 'torch' or 'native'")
+            raise MegatrainConfigError(f"HostAdamW kernel={kernel!r}; allowed: 'torch' or 'native'")
         if disk_io not in DISK_IO_CHOICES:
-            raise ValueError(f"HostAdamW disk_io={disk_io!r}; allowed: {', '.join(map(repr, DISK_IO_CHOICES))}")
+            raise MegatrainConfigError(
+                f"HostAdamW disk_io={disk_io!r}; allowed: {', '.join(map(repr, DISK_IO_CHOICES))}")
         self.store = store
         self.format = format_of(state)  # refuses an unknown format, naming the allowed ones
         self.offload_dir, self.offload_window, self._pager = offload_dir, offload_window, None  # _pager: PagedState
@@ -126,7 +128,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_plan", None) is not None:
-            raise RuntimeError("HostAdamW does not accept new parameter groups after construction")
+            raise UsageError("HostAdamW does not accept new parameter groups after construction")
         super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ state
@@ -138,7 +140,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
                 if home is not None and home[1].kind is Kind.FROZEN:
                     raise unfrozen_error(self.store.names[home[0]], home[1].name)
                 if home is None or home[1].kind is not Kind.TRAINABLE:
-                    raise ValueError(
+                    raise AttachedModelError(
                         f"HostAdamW got a parameter (shape {tuple(p.shape)}) that the megatrain host store "
                         "does not hold as trainable; pass the parameters of the attached model."
                     )
@@ -221,7 +223,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
             return loss
         if not self._workers_alive():
             self._skipped()
-            raise RuntimeError(
+            raise BackgroundWorkerError(
                 "HostAdamW worker thread is not running (the optimizer was closed, or the thread ended); "
                 "build a new optimizer or restart from the last checkpoint"
             )
@@ -359,7 +361,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
             while self._pending:
                 self._cond.wait(timeout=1.0)
                 if not self._workers_alive():
-                    raise RuntimeError("HostAdamW worker thread died")
+                    raise BackgroundWorkerError("HostAdamW worker thread died")
         self.store.gates.raise_error()
         if self._pager is not None:
             self._pager.flush()  # the write-backs too: the files then hold the step's state

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import MegatrainConfigError
 from ..core.layout import MOMENT_FORMATS
 
 MODES = tuple(MOMENT_FORMATS)
@@ -114,8 +115,8 @@ def format_of(mode: str) -> Format:
     return Format(mode, bits, block)
 
 
-def unknown_state(value, where: str = "optimizer_state") -> ValueError:
-    return ValueError(
+def unknown_state(value, where: str = "optimizer_state") -> MegatrainConfigError:
+    return MegatrainConfigError(
         f"{where}={value!r} is not a known optimizer state format; allowed: {list(MODES)}. Fix: pass "
         "'fp32' (exact, 8 B/param), 'bf16' (4 B/param), '8bit' (~2.03 B/param) or '4bit' (~1.06 B/param)."
     )

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import IncompatibleOptionsError, MegatrainConfigError
 from ..core.disk_io import ALIGN, DONE, DiskIO, Pending, align_up, create_run_dir, remove_run_dir
 from .disk_engines import open_disk_io
 
@@ -67,7 +68,8 @@ class PagedState:
     def __init__(self, offload_dir: str, specs: dict[int, dict[str, tuple[int, torch.dtype]]],
                  window: int = DEFAULT_WINDOW, io: DiskIO | None = None, disk_io: str = "threads") -> None:
         if window < 2:
-            raise ValueError(f"PagedState window={window}: must be >= 2 (one unit updating, one written back)")
+            raise MegatrainConfigError(
+                f"PagedState window={window}: must be >= 2 (one unit updating, one written back)")
         layouts = {}
         for u, spec in specs.items():
             tensors, offset = {}, 0
@@ -328,7 +330,7 @@ def master_units(store, units, offload_masters) -> list[int]:
     if not offload_masters:
         return []
     if not store.staging.enabled:
-        raise ValueError(
+        raise IncompatibleOptionsError(
             "megatrain: the fp32 masters on disk (offload_state='all', offload_masters) need the bf16 staging copy, "
             "which the device streams instead of the masters; this store has none (fp32 compute, or "
             "host_staging=False, streams the masters themselves). Fix: bf16 compute (bf16=True / compute_dtype="
@@ -336,9 +338,10 @@ def master_units(store, units, offload_masters) -> list[int]:
     chosen = [u for u in sorted(units) if (offload_masters is True or u in offload_masters)
               and store.buffers[u].n_staged]
     if chosen and store.ownership.world_size > 1:
-        raise ValueError("megatrain: the fp32 masters on disk (offload_state='all') do not combine with data "
-                         "parallelism (each unit's owner broadcasts its masters from RAM). Fix: "
-                         "offload_state='moments', or data_parallel=False.")
+        raise IncompatibleOptionsError(
+            "megatrain: the fp32 masters on disk (offload_state='all') do not combine with data "
+            "parallelism (each unit's owner broadcasts its masters from RAM). Fix: "
+            "offload_state='moments', or data_parallel=False.")
     return chosen
 
 

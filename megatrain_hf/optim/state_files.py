@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..errors import CheckpointError
 from .compressed import tensor_names
 from .moment_formats import expand, format_of
 
@@ -188,16 +189,16 @@ def _read_headers(folder: str, expected_units: list[int] | None) -> dict[int, di
         names = sorted(n for n in os.listdir(folder) if n.startswith("unit-") and n.endswith(".safetensors"))
         first = os.path.join(folder, names[0] if names else os.path.basename(unit_file(folder, 0)))
     if not os.path.isfile(first):
-        raise ValueError(f"sharded optimizer checkpoint {folder} lacks {os.path.basename(first)}")
+        raise CheckpointError(f"sharded optimizer checkpoint {folder} lacks {os.path.basename(first)}")
     with safe_open(first, framework="pt") as f:
         meta = f.metadata() or {}
     if meta.get("format") != FORMAT:
-        raise ValueError(
+        raise CheckpointError(
             f"{first} is not a megatrain optimizer shard (format {meta.get('format')!r}, expected {FORMAT!r})"
         )
     units = json.loads(meta["units"])
     if expected_units is not None and units != expected_units:
-        raise ValueError(
+        raise CheckpointError(
             f"the sharded optimizer checkpoint {folder} holds state for units {units}, this model's HostAdamW "
             f"has units {expected_units}: the checkpoint belongs to another model or another set of "
             "trainable parameters."
@@ -205,13 +206,13 @@ def _read_headers(folder: str, expected_units: list[int] | None) -> dict[int, di
     for u in units:
         path = unit_file(folder, u)
         if not os.path.isfile(path):
-            raise ValueError(
+            raise CheckpointError(
                 f"sharded optimizer checkpoint {folder} is incomplete: {os.path.basename(path)} is missing"
             )
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
         if meta.get("format") != FORMAT or meta.get("unit") != str(u):
-            raise ValueError(f"{path} is not the megatrain optimizer shard of unit {u}")
+            raise CheckpointError(f"{path} is not the megatrain optimizer shard of unit {u}")
         headers[u] = meta
     return headers
 
@@ -228,14 +229,14 @@ def load_optimizer(optimizer, folder: str) -> None:
     for u, meta in headers.items():  # validate everything before changing anything
         saved_mode = meta.get("optimizer_state", "fp32")
         if saved_mode != mode:
-            raise ValueError(
+            raise CheckpointError(
                 f"{unit_file(folder, u)} holds optimizer_state={saved_mode!r} moments, this HostAdamW keeps "
                 f"{mode!r}. Fix: resume with optimizer_state={saved_mode!r} (or convert the checkpoint with "
                 "megatrain_hf.optim.state_files.to_torch_state_dict and load that into a fresh optimizer)."
             )
         numel = optimizer.store.n_train(u)
         if int(meta["numel"]) != numel or json.loads(meta["layout"]) != _layout(optimizer, u):
-            raise ValueError(
+            raise CheckpointError(
                 f"{unit_file(folder, u)} (unit {meta.get('unit_name')}) has another parameter layout than "
                 f"unit {optimizer.store.names[u]} of this model ({meta['numel']} vs {numel} elements, or other "
                 "shapes/groups): the checkpoint belongs to another model or another set of trainable parameters."
@@ -244,7 +245,7 @@ def load_optimizer(optimizer, folder: str) -> None:
     saved_groups = _decode(first) if first is not None else [
         {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(
+        raise CheckpointError(
             f"the sharded optimizer checkpoint {folder} has {len(saved_groups)} param groups, the optimizer "
             f"{len(optimizer.param_groups)}"
         )

@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..errors import BackgroundWorkerError
 from .autocast import autocast_state
 
 _local = threading.local()
@@ -185,7 +186,8 @@ class Coroutine:
                 return
             except queue.Empty:
                 if not self.thread.is_alive():  # cannot happen short of interpreter teardown
-                    raise RuntimeError(f"megatrain: micro-batch thread {self.thread.name} ended without a result")
+                    raise BackgroundWorkerError(
+                        f"megatrain: micro-batch thread {self.thread.name} ended without a result")
 
     def abort(self) -> None:
         if self.thread.ident is None:  # never started (interrupted while starting the others)

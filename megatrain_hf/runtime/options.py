@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
+from ..errors import MegatrainConfigError
+
 
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or (isinstance(value, int) and value < 1):
-        raise ValueError(f"MegaTrainConfig.{name}={value!r}; allowed: an int >= 1"
-                         + (", 'auto' or None." if name == "sequence_tile_tokens" else "."))
+        raise MegatrainConfigError(f"MegaTrainConfig.{name}={value!r}; allowed: an int >= 1"
+                                   + (", 'auto' or None." if name == "sequence_tile_tokens" else "."))
 
 
 @dataclass(kw_only=True)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ..errors import StreamedCallError, UsageError
 from ..core.grads import GradSink
 from ..core.layout import Entry
 from ..core.store import unfrozen_error
@@ -111,7 +112,7 @@ class StreamedUnit(torch.autograd.Function):
         runner = ctx.runner
         group = runner.group
         if group is not None and not group.backward_open:
-            raise RuntimeError(
+            raise UsageError(
                 "megatrain: a backward pass started inside one micro-batch of a layer-major accumulation "
                 "group, before the other micro-batches ran their forward. Inside Trainer.training_step call "
                 "self.accelerator.backward(loss) (Trainer's own code does), in your own loop use "
@@ -183,11 +184,11 @@ class UnitRunner:
         else:
             key = next((k for k in self.input_kwargs if k in kwargs), None)
             if key is None:
-                raise TypeError(f"streamed unit {unit.name} got no input tensor (kwargs: {sorted(kwargs)})")
+                raise StreamedCallError(f"streamed unit {unit.name} got no input tensor (kwargs: {sorted(kwargs)})")
             kwargs = dict(kwargs)
             x, rest = kwargs.pop(key), ()
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"streamed unit {unit.name} expects a tensor input, got {type(x).__name__}")
+            raise StreamedCallError(f"streamed unit {unit.name} expects a tensor input, got {type(x).__name__}")
         grad_enabled = torch.is_grad_enabled()
         training = unit.module.training
         if grad_enabled:
@@ -256,7 +257,7 @@ class UnitRunner:
         finally:
             unit.template.unbind()
         if not isinstance(out, torch.Tensor):
-            raise TypeError(
+            raise StreamedCallError(
                 f"streamed unit {unit.name} returned {type(out).__name__}; megatrain expects a tensor "
                 "(transformers >= 5 decoder layers return one)."
             )
@@ -390,7 +391,7 @@ def _with_seen(unit_name: str, call: Call, outputs: list, seeds: list, grad_seen
     call.hooks.seen = []
     got = [len(seen), *[tuple(seen[i].shape) for i in call.seen_at if i < len(seen)]]
     if got != call.seen_shapes:
-        raise RuntimeError(
+        raise UsageError(
             f"megatrain: the recompute of streamed unit {unit_name} passed other tensors to its sub-modules' "
             f"forward hooks than its forward did (count, shapes: {got} vs {call.seen_shapes}): the unit's "
             "forward is not deterministic, and the gradients of what the hooks kept cannot be matched."

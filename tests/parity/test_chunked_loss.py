@@ -22,6 +22,7 @@ from tests.helpers import (
 )
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach, engine_of
 from megatrain_hf.models.families import FAMILIES
+from megatrain_hf.errors import MegatrainConfigError
 from transformers import Trainer
 
 
@@ -142,9 +143,9 @@ def test_lora_on_the_head_keeps_hf_loss(caplog):
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True])
 def test_config_rejects_bad_chunk(bad):
-    with pytest.raises(ValueError, match=r"loss_chunk_tokens=.*None \(automatic\) or an int >= 1"):
+    with pytest.raises(MegatrainConfigError, match=r"loss_chunk_tokens=.*None \(automatic\) or an int >= 1"):
         MegaTrainConfig(loss_chunk_tokens=bad)
-    with pytest.raises(ValueError, match=r"chunked_loss='yes'; allowed: True, False or 'auto'"):
+    with pytest.raises(MegatrainConfigError, match=r"chunked_loss='yes'; allowed: True, False or 'auto'"):
         MegaTrainConfig(chunked_loss="yes")
 
 

@@ -16,6 +16,7 @@ from tests.helpers import assert_same_state, optimizer_files, state_of, tiny_mod
 
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.optim import native
+from megatrain_hf.errors import IncompatibleOptionsError
 
 NO_NATIVE = pytest.mark.skipif(native.host_adamw() is None, reason="no C++ compiler")
 
@@ -213,7 +214,8 @@ def test_masters_on_disk_without_a_staging_copy_are_refused(tmp_path, options, w
     (tmp_path / "d").mkdir()
     model = tiny_model("llama")
     config = MegaTrainConfig(offload_dir=str(tmp_path / "d"), offload_state="all", **options)
-    with pytest.raises(ValueError, match=rf"offload_state='all' .* needs the bf16 staging copy .*{why}(.|\n)*Fix: bf16"):
+    with pytest.raises(IncompatibleOptionsError,
+                       match=rf"offload_state='all' .* bf16 staging copy .*{why}(.|\n)*Fix: bf16"):
         attach(model, config, bf16=True)
     assert not hasattr(model, "_megatrain_engine") and os.listdir(tmp_path / "d") == []
 
@@ -227,11 +229,12 @@ def test_masters_on_disk_refused_by_hand_where_they_cannot_be(tmp_path):
     (tmp_path / "d").mkdir()
     model = tiny_model("llama")
     engine = attach(model, MegaTrainConfig())  # fp32 compute: the device streams the masters
-    with pytest.raises(ValueError, match=r"need the bf16 staging copy(.|\n)*Fix: bf16 compute"):
+    with pytest.raises(IncompatibleOptionsError, match=r"need the bf16 staging copy(.|\n)*Fix: bf16 compute"):
         HostAdamW(model.parameters(), engine.store, offload_dir=str(tmp_path / "d"), offload_masters=True)
     assert os.listdir(tmp_path / "d") == []  # refused before creating anything
     units = list(zip(*_located(tiny_model("llama"))))
-    with pytest.raises(ValueError, match=r"data parallelism broadcasts the masters from RAM(.|\n)*offload_state='moments'"):
+    with pytest.raises(IncompatibleOptionsError,
+                       match=r"data parallelism broadcasts the masters(.|\n)*offload_state='moments'"):
         admit_tiers(units, frozenset({0}), torch.bfloat16, "auto", True, True, str(tmp_path / "d"), "all", True,
                     masters_allowed=False)
 

@@ -21,6 +21,8 @@ from tests.helpers import (REPO_ROOT, LogRecorder, RandomTokens, assert_same_sta
 from megatrain_hf import HostAdamW, MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.core.disk_io import RUN_DIR_PREFIX
 from megatrain_hf.optim import native
+from megatrain_hf.errors import (BackgroundWorkerError, DiskIOError, DiskSpaceError, IncompatibleOptionsError,
+                                  MegatrainConfigError)
 
 KERNELS = ["torch", pytest.param("native", marks=pytest.mark.skipif(native.host_adamw() is None,
                                                                        reason="no C++ compiler"))]
@@ -64,7 +66,7 @@ def test_compressed_moments_on_disk_equal_the_in_ram_run(tmp_path, mode, accumul
     optimizer = trainer.optimizer.optimizer
     assert optimizer.kernel == kernel and optimizer.moments is not None and optimizer._pager is not None
     assert optimizer.moments.tensors == {} and optimizer.moments.nbytes() == 0  # no moment in RAM outside the window
-    # the plan's bytes of the tier are the files' (one rule: core/layout.moment_parts, aligned)
+    # the plan's bytes of the tier are the files' (one rule: memory/host_tiers.moment_parts, aligned)
     assert got._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
     assert optimizer._pager.bytes_written >= 6 * optimizer._pager.disk_bytes()  # every unit, every step
     assert losses == ref_losses
@@ -156,21 +158,21 @@ def test_state_dict_and_load_state_dict_go_through_the_tier(tmp_path, mode):
 
 # ---------------------------------------------------------------------------------- bad inputs
 def test_offload_dir_missing_or_a_file_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"offload_dir='.*nope' does not exist\. Fix: create it"):
+    with pytest.raises(MegatrainConfigError, match=r"offload_dir='.*nope' does not exist\. Fix: create it"):
         MegaTrainConfig(offload_dir=str(tmp_path / "nope"))
     (tmp_path / "f").write_text("x")
-    with pytest.raises(ValueError, match=r"offload_dir='.*f' is a file, not a directory"):
+    with pytest.raises(MegatrainConfigError, match=r"offload_dir='.*f' is a file, not a directory"):
         MegaTrainConfig(offload_dir=str(tmp_path / "f"))
-    with pytest.raises(ValueError, match=r"MegaTrainConfig.offload_state='masters'; allowed: 'auto', 'moments' or 'all'"):
+    with pytest.raises(MegatrainConfigError, match=r"offload_state='masters'; allowed: 'auto', 'moments' or 'all'"):
         MegaTrainConfig(offload_state="masters")
     for bad in (1, 0, True, "4"):
-        with pytest.raises(ValueError, match=rf"MegaTrainConfig.offload_window={bad!r}; allowed: an int >= 2"):
+        with pytest.raises(MegatrainConfigError, match=rf"offload_window={bad!r}; allowed: an int >= 2"):
             MegaTrainConfig(offload_window=bad)
 
 
 def test_offload_dir_with_an_optimizer_that_is_not_adamw_is_refused(tmp_path):
     """The tier pages HostAdamW's moments: with SGD (its own state, in RAM) offload_dir would do nothing."""
-    with pytest.raises(ValueError, match=r"offload_dir='.*' applies to megatrain's HostAdamW, but "
+    with pytest.raises(IncompatibleOptionsError, match=r"offload_dir='.*' applies to megatrain's HostAdamW, but "
                                          r"the optimizer is SGD\. Fix: train with AdamW"):
         train(tiny_model("llama"), training_args(tmp_path / "sgd", optim="sgd", max_steps=1),
               callbacks=[MegaTrainPlugin(offload_dir=str(tmp_path))])
@@ -185,7 +187,7 @@ def test_read_only_offload_dir_is_refused(tmp_path):
                         capture_output=True).returncode != 0:
         pytest.skip("running as root without permission to mount a read-only filesystem")
     try:
-        with pytest.raises(ValueError, match=r"offload_dir='.*ro' is not writable by this process "
+        with pytest.raises(MegatrainConfigError, match=r"offload_dir='.*ro' is not writable by this process "
                                              r"\((no write permission|Read-only file system)\)\. Fix"):
             MegaTrainConfig(offload_dir=str(target))
     finally:
@@ -201,8 +203,8 @@ def test_a_disk_too_small_is_refused_before_allocating(tmp_path, monkeypatch):
     (tmp_path / "d").mkdir()
     monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(2**40, 2**40 - 2**29, 2**29))
     model = tiny_model("llama")
-    with pytest.raises(MemoryError, match=r"disk tier needs 0\.00 GiB in offload_dir=.* \(\+ 1\.00 GiB headroom\) but "
-                                          r"its filesystem has 0\.50 GiB free(.|\n)*short by +0\.50 GiB"):
+    with pytest.raises(DiskSpaceError, match=r"disk tier needs 0\.00 GiB in offload_dir=.* \(\+ 1\.00 GiB headroom\) "
+                                             r"but its filesystem has 0\.50 GiB free(.|\n)*short by +0\.50 GiB"):
         attach(model, MegaTrainConfig(offload_dir=str(tmp_path / "d"), offload_state="moments"))
     assert not hasattr(model, "_megatrain_engine") and os.listdir(tmp_path / "d") == []
 
@@ -267,7 +269,7 @@ def test_an_io_error_mid_run_raises_in_the_training_thread(tmp_path, monkeypatch
     monkeypatch.setattr(disk_io.os, call, failing)
     (tmp_path / "d").mkdir()
     config = MegaTrainConfig(offload_dir=str(tmp_path / "d"), offload_state="moments")
-    with pytest.raises((OSError, RuntimeError)) as info:
+    with pytest.raises((DiskIOError, BackgroundWorkerError)) as info:
         train(tiny_model("llama"), training_args(tmp_path / "run"), callbacks=[MegaTrainPlugin(config), FillTheDisk()])
     text = str(info.value) + str(info.value.__cause__)
     reason = r"No space left on device \(the disk is full" if code == errno.ENOSPC else "Input/output error"

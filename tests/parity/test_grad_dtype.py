@@ -17,6 +17,7 @@ from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.core.grad_accumulators import resolve_grad_dtype
 from megatrain_hf.memory.host import host_breakdown_for_units
 from megatrain_hf.optim import native
+from megatrain_hf.errors import IncompatibleOptionsError, MegatrainConfigError, UsageError
 
 NO_NATIVE = pytest.mark.skipif(native.host_adamw() is None, reason="no C++ compiler")
 NO_GRAD_DTYPE = pytest.mark.skipif(not hasattr(torch.Tensor, "grad_dtype"), reason="torch without Tensor.grad_dtype")
@@ -98,17 +99,18 @@ def test_grad_is_a_bf16_view_and_the_plan_counts_two_bytes(tmp_path):
 
 
 def test_refused_where_it_would_not_be_exact(tmp_path):
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2.*Fix: gradient_accumulation_steps=1"):
+    with pytest.raises(IncompatibleOptionsError, match=r"steps=2.*Fix: gradient_accumulation_steps=1"):
         _run(tmp_path, "ga", dict(grad_dtype="bf16"), gradient_accumulation_steps=2)
-    with pytest.raises(ValueError, match=r"grad_dtype='bf16'.*compute is fp32.*grad_dtype='fp32'"):
+    with pytest.raises(IncompatibleOptionsError, match=r"grad_dtype='bf16'.*compute is fp32.*grad_dtype='fp32'"):
         _run(tmp_path, "fp32", dict(grad_dtype="bf16"), bf16=False)
     for why, kwargs in [("data parallelism", dict(distributed=True, device_update=False)),
                         ("device_update", dict(distributed=False, device_update=True))]:
-        with pytest.raises(ValueError, match=why):
+        with pytest.raises(IncompatibleOptionsError, match=why):
             resolve_grad_dtype("bf16", torch.bfloat16, **kwargs)
-    with pytest.raises(ValueError, match=r"grad_dtype='bf16' applies to megatrain's HostAdamW, but the optimizer is"):
+    with pytest.raises(IncompatibleOptionsError,
+                       match=r"grad_dtype='bf16' applies to megatrain's HostAdamW, but the optim"):
         _run(tmp_path, "sgd", dict(grad_dtype="bf16"), optim="sgd")
-    with pytest.raises(ValueError, match=r"MegaTrainConfig.grad_dtype='fp16'"):
+    with pytest.raises(MegatrainConfigError, match=r"MegaTrainConfig.grad_dtype='fp16'"):
         MegaTrainConfig(grad_dtype="fp16")
 
 
@@ -121,7 +123,7 @@ def test_a_second_gradient_in_a_step_raises(tmp_path):
     engine = attach(model, MegaTrainConfig(grad_dtype="bf16"), device="cpu", bf16=True)
     ids = torch.randint(0, model.config.vocab_size, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
-    with pytest.raises(RuntimeError, match=r"received a second gradient in one optimizer step.*grad_dtype='fp32'"):
+    with pytest.raises(UsageError, match=r"received a second gradient in one optimizer step.*grad_dtype='fp32'"):
         model(input_ids=ids, labels=ids).loss.backward()
     engine.detach()
 
@@ -178,5 +180,5 @@ def test_the_shape_plan_counts_two_bytes_per_layer_matrix_parameter():
     assert {k: v for k, v in fp32.host_breakdown().items() if k != "grad"} == \
         {k: v for k, v in bf16.host_breakdown().items() if k != "grad"}
     for bad in (dict(grad_accum=2), dict(compute_dtype="fp32")):
-        with pytest.raises(ValueError, match="grad_dtype='bf16'.*Fix: grad_dtype='fp32'"):
+        with pytest.raises(IncompatibleOptionsError, match="grad_dtype='bf16'.*Fix: grad_dtype='fp32'"):
             plan_memory(shape, seq_len=4096, micro_batch=1, grad_dtype="bf16", **bad)

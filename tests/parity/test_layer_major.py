@@ -32,6 +32,7 @@ from tests.helpers import (
     without_dropout,
 )
 from megatrain_hf import Engine, MegaTrainPlugin, attach, engine_of
+from megatrain_hf.errors import MegatrainConfigError, UsageError
 from transformers import Trainer
 
 ATOL = 1e-6
@@ -231,7 +232,7 @@ class _DirectBackwardTrainer(Trainer):
 
 def test_direct_backward_inside_a_group_is_refused(tmp_path):
     trainer, _ = _trainer(_DirectBackwardTrainer, tmp_path, 2, layer_major=True)
-    with pytest.raises(RuntimeError, match=r"accelerator\.backward\(loss\).*layer_major=False"):
+    with pytest.raises(UsageError, match=r"accelerator\.backward\(loss\).*layer_major=False"):
         trainer.train()
     assert not _microbatch_threads()
 
@@ -255,7 +256,7 @@ def test_direct_backward_works_with_layer_major_off(tmp_path):
 def test_config_rejects_bad_layer_major():
     from megatrain_hf import MegaTrainConfig
 
-    with pytest.raises(ValueError, match="layer_major='yes'.*True, False or 'auto'"):
+    with pytest.raises(MegatrainConfigError, match="layer_major='yes'.*True, False or 'auto'"):
         MegaTrainConfig(layer_major="yes")
 
 
@@ -344,7 +345,7 @@ def test_config_rejects_bad_gpu_budget():
     from megatrain_hf import MegaTrainConfig
 
     for bad in ("lots", 0, -5, "0GiB", True):
-        with pytest.raises(ValueError, match=r"max_gpu_memory=.*allowed: None, a positive byte count"):
+        with pytest.raises(MegatrainConfigError, match=r"max_gpu_memory=.*allowed: None, a positive byte count"):
             MegaTrainConfig(max_gpu_memory=bad)
     assert MegaTrainConfig(max_gpu_memory="24GiB").gpu_memory_bytes() == 24 * 2**30
     assert MegaTrainConfig(max_gpu_memory="1.5 GB").gpu_memory_bytes() == 1_500_000_000

@@ -26,6 +26,7 @@ from megatrain_hf import MegaTrainPlugin, engine_of
 from megatrain_hf.models.loading import deferred_weights
 from megatrain_hf.core.frozen_formats import QuantWork
 from megatrain_hf.models.shards import CHUNK_BYTES
+from megatrain_hf.errors import CheckpointError, MegatrainConfigError, UsageError
 from tests.helpers import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -134,7 +135,7 @@ def test_a_deferred_model_refuses_what_needs_its_weights(tmp_path):
     ids = torch.zeros(1, 4, dtype=torch.long)
     for attempt in (lambda: model(input_ids=ids), lambda: model.save_pretrained(tmp_path / "x"),
                     lambda: model.to(torch.bfloat16), lambda: model.to("meta")):
-        with pytest.raises(RuntimeError, match="its weights are still in"):
+        with pytest.raises(UsageError, match="its weights are still in"):
             attempt()
     with pytest.raises(RuntimeError, match="more than one element"):  # writes into a placeholder
         model.lm_head.weight.data.add_(1)
@@ -144,25 +145,25 @@ def test_a_deferred_model_refuses_what_needs_its_weights(tmp_path):
 
 
 def test_bad_folders_and_arguments_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="not a local folder"):
+    with pytest.raises(MegatrainConfigError, match="not a local folder"):
         megatrain_hf.from_pretrained(tmp_path / "nowhere")
     os.makedirs(tmp_path / "empty")
-    with pytest.raises(ValueError, match="neither model.safetensors.index.json nor model.safetensors"):
+    with pytest.raises(CheckpointError, match="neither model.safetensors.index.json nor model.safetensors"):
         megatrain_hf.from_pretrained(tmp_path / "empty")
     folder = _saved(tmp_path)
-    with pytest.raises(ValueError, match="fp32 masters"):
+    with pytest.raises(MegatrainConfigError, match="fp32 masters"):
         megatrain_hf.from_pretrained(folder, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="device_map"):
+    with pytest.raises(MegatrainConfigError, match="device_map"):
         megatrain_hf.from_pretrained(folder, device_map="auto")
     from transformers import AutoConfig
 
     wider = AutoConfig.from_pretrained(folder)
     wider.intermediate_size = 256
-    with pytest.raises(ValueError, match=r"other shapes: \['model.layers.0.mlp.gate_proj.weight"):
+    with pytest.raises(CheckpointError, match=r"other shapes: \['model.layers.0.mlp.gate_proj.weight"):
         megatrain_hf.from_pretrained(folder, config=wider)
     untied = AutoConfig.from_pretrained(_saved(tmp_path, "gemma"))
     untied.tie_word_embeddings = False
-    with pytest.raises(ValueError, match=r"missing 1 weight\(s\) \['lm_head.weight'\]"):
+    with pytest.raises(CheckpointError, match=r"missing 1 weight\(s\) \['lm_head.weight'\]"):
         megatrain_hf.from_pretrained(tmp_path / "gemma-float32", config=untied)
 
 
@@ -171,7 +172,7 @@ def test_a_truncated_shard_is_refused(tmp_path):
     shard = Path(folder) / "model.safetensors"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    with pytest.raises(ValueError, match="past the end of the file"):
+    with pytest.raises(CheckpointError, match="past the end of the file"):
         megatrain_hf.from_pretrained(folder)
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from tests.helpers import assert_close_losses, assert_close_params, state_of, tiny_model, train, training_args
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.runtime import tiling
+from megatrain_hf.errors import MegatrainConfigError, TrainingDataError
 
 ATOL_FP32 = 1e-6
 
@@ -108,7 +109,7 @@ def test_sequence_tile_tokens_option():
     assert MegaTrainConfig().sequence_tile_tokens == "auto"
     assert MegaTrainConfig(sequence_tile_tokens=None).sequence_tile_tokens is None
     for bad in (0, -4, "big", True, 2.5):
-        with pytest.raises(ValueError, match="sequence_tile_tokens"):
+        with pytest.raises(MegatrainConfigError, match="sequence_tile_tokens"):
             MegaTrainConfig(sequence_tile_tokens=bad)
 
 
@@ -209,7 +210,7 @@ def test_rope_scaling_sets_the_sequence_limit(rope, allowed):
         ok = torch.randint(0, 128, (1, allowed))
         model(input_ids=ok, labels=ok).loss.backward()
         long = torch.randint(0, 128, (1, allowed + 1))
-        with pytest.raises(ValueError, match=rf"{allowed + 1} tokens, more than what the config's rope scaling "
+        with pytest.raises(TrainingDataError, match=rf"{allowed + 1} tokens, more than what the config's rope scaling "
                                              rf"allows \({rope['rope_type']} x{rope['factor']} .* = {allowed}"):
             model(input_ids=long, labels=long)
     engine.detach()

@@ -23,6 +23,7 @@ from tests.helpers import (
     training_args,
 )
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach, engine_of
+from megatrain_hf.errors import HostMemoryError, MegatrainConfigError, UsageError
 
 
 def _equal_states(a: dict, b: dict) -> None:
@@ -172,7 +173,7 @@ def test_backward_twice_over_one_graph_is_refused():
     engine = attach(model, MegaTrainConfig(offload_checkpoints=True), device="cpu")
     loss = _loss(model)
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="used by a second backward over the same graph"):
+    with pytest.raises(UsageError, match="used by a second backward over the same graph"):
         loss.backward()
     engine.detach()
 
@@ -181,15 +182,15 @@ def test_short_host_ram_is_refused_with_the_fix(monkeypatch):
     model = tiny_model("llama", attention_dropout=0.0)
     engine = attach(model, MegaTrainConfig(offload_checkpoints=True), device="cpu")
     monkeypatch.setattr(engine.offload, "_available_bytes", lambda: engine.offload._headroom + 100)
-    with pytest.raises(MemoryError, match=r"offloading activation checkpoints needs .* MiB more host RAM .*offload_checkpoints=False"):
+    with pytest.raises(HostMemoryError, match=r"checkpoints needs .* MiB more host RAM .*offload_checkpoints=False"):
         _loss(model)
     engine.detach()
 
 
 def test_offload_checkpoints_must_be_a_bool():
-    with pytest.raises(ValueError, match="offload_checkpoints=.yes.; allowed: True, False or .auto."):
+    with pytest.raises(MegatrainConfigError, match="offload_checkpoints=.yes.; allowed: True, False or .auto."):
         MegaTrainConfig(offload_checkpoints="yes")
-    with pytest.raises(ValueError, match="allowed: True, False or 'auto'"):
+    with pytest.raises(MegatrainConfigError, match="allowed: True, False or 'auto'"):
         MegaTrainConfig(offload_checkpoints=1)  # not a bool: would silently mean off
 
 

@@ -16,6 +16,7 @@ from tests.helpers import state_of, tiny_model, train, training_args
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach, engine_of
 from megatrain_hf.core import frozen_formats as Q
 from megatrain_hf.core.layout import Kind
+from megatrain_hf.errors import IncompatibleOptionsError, MegatrainConfigError
 
 peft = pytest.importorskip("peft")
 
@@ -233,19 +234,19 @@ def test_from_pretrained_quantizes_from_the_checkpoint(tmp_path):
 
 # ----------------------------------------------------------------------------- refusals
 def test_unsupported_scheme_is_refused():
-    with pytest.raises(ValueError, match=r"base_quantization='fp4'; allowed: 'none', 'int8'.*'nf4'"):
+    with pytest.raises(MegatrainConfigError, match=r"base_quantization='fp4'; allowed: 'none', 'int8'.*'nf4'"):
         MegaTrainConfig(base_quantization="fp4")
 
 
 def test_full_fine_tune_is_refused():
-    with pytest.raises(ValueError, match=r"no module of this LlamaForCausalLM is wrapped by PEFT.*full fine-tune"):
+    with pytest.raises(IncompatibleOptionsError, match=r"no module of this LlamaForCausalLM is wrapped by PEFT.*full"):
         attach(tiny_model("llama"), MegaTrainConfig(base_quantization="nf4", device="cpu"))
 
 
 def test_trainable_base_is_refused():
     model = lora(tiny_model("llama"))
     model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight.requires_grad_(True)
-    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj\.base_layer\.weight is trainable"):
+    with pytest.raises(IncompatibleOptionsError, match=r"self_attn\.q_proj\.base_layer\.weight is trainable"):
         attach(model, MegaTrainConfig(base_quantization="int8", device="cpu"))
 
 
@@ -253,7 +254,8 @@ def test_model_peft_did_not_wrap_is_refused():
     model = tiny_model("llama")
     for name, p in model.named_parameters():
         p.requires_grad_(name.startswith("lm_head"))  # frozen by hand, no PEFT layer
-    with pytest.raises(ValueError, match=r"no module of this LlamaForCausalLM is wrapped by PEFT.*get_peft_model"):
+    with pytest.raises(IncompatibleOptionsError,
+                       match=r"no module of this LlamaForCausalLM is wrapped by PEFT.*get_peft"):
         attach(model, MegaTrainConfig(base_quantization="nf4", device="cpu"))
 
 
@@ -283,7 +285,7 @@ def test_plan_counts_the_quantized_base_as_the_store_lays_it_out():
         engine.detach()
     assert largest_preset(125 * GiB, lora_rank=16) == "qwen2.5-14b"  # a 70 B bf16 base is 129 GiB
     assert largest_preset(125 * GiB, lora_rank=16, base_quantization="nf4") == "mistral-large-123b"
-    with pytest.raises(ValueError, match="full fine-tune.*--lora-rank"):
+    with pytest.raises(IncompatibleOptionsError, match="full fine-tune.*--lora-rank"):
         plan_memory(PRESETS["tiny"], seq_len=16, micro_batch=1, base_quantization="nf4")
 
 
@@ -385,5 +387,5 @@ def test_a_checkpoint_bitsandbytes_quantized_is_read_as_stored(tmp_path, scheme)
                 if maker is None or scheme == "int8":
                     assert torch.equal(mine, theirs), e.name
                 assert torch.equal(*values) if maker is None else (values[0] - values[1]).abs().max() < 1e-2
-    with pytest.raises(ValueError, match=rf"quantized by bitsandbytes as \['{scheme}'\] but base_quantization='none'"):
+    with pytest.raises(IncompatibleOptionsError, match=rf"bitsandbytes as \['{scheme}'\] but base_quantization='none'"):
         attach(lora(megatrain_hf.from_pretrained(folder)), MegaTrainConfig(device="cpu"))

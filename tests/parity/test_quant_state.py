@@ -18,6 +18,7 @@ from megatrain_hf import HostAdamW, MegaTrainPlugin, attach
 from megatrain_hf.optim.state_files import OPTIMIZER_DIR, to_torch_state_dict
 from megatrain_hf.optim import native
 from megatrain_hf.optim.moment_formats import compress, error_bound, expand, format_of
+from megatrain_hf.errors import CheckpointError, IncompatibleOptionsError, MegatrainConfigError
 
 ATOL = 1e-6
 KERNELS = ["torch", pytest.param("native", marks=pytest.mark.skipif(native.host_adamw() is None,
@@ -186,7 +187,7 @@ def test_resume_equals_uninterrupted_and_converter(tmp_path):
             assert converted["state"][i][key].dtype == torch.float32
             assert torch.equal(s[key], converted["state"][i][key]), (i, key)
     # another mode cannot load these shards: refused with the fix
-    with pytest.raises(ValueError, match=r"optimizer_state='8bit' moments, this HostAdamW keeps '4bit'"):
+    with pytest.raises(CheckpointError, match=r"optimizer_state='8bit' moments, this HostAdamW keeps '4bit'"):
         train(tiny_model("llama"), training_args(tmp_path / "run", **args),
               callbacks=[MegaTrainPlugin(optimizer_state="4bit")], resume=str(tmp_path / "run" / "checkpoint-3"))
 
@@ -194,18 +195,19 @@ def test_resume_equals_uninterrupted_and_converter(tmp_path):
 def test_refusals(tmp_path):
     from megatrain_hf import MegaTrainConfig
 
-    with pytest.raises(ValueError, match=r"optimizer_state='3bit' .* allowed: \['fp32', 'bf16', '8bit', '4bit'\]"):
+    with pytest.raises(MegatrainConfigError,
+                       match=r"optimizer_state='3bit' .* allowed: \['fp32', 'bf16', '8bit', '4bit"):
         MegaTrainConfig(optimizer_state="3bit")
-    with pytest.raises(ValueError, match=r"but the optimizer is SGD\. Fix: train with AdamW"):
+    with pytest.raises(IncompatibleOptionsError, match=r"but the optimizer is SGD\. Fix: train with AdamW"):
         train(tiny_model("llama"), training_args(tmp_path / "sgd", optim="sgd"),
               callbacks=[MegaTrainPlugin(optimizer_state="8bit")])
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    with pytest.raises(ValueError, match=r"optimizers=\(opt, sched\)\) is kept"):
+    with pytest.raises(IncompatibleOptionsError, match=r"optimizers=\(opt, sched\)\) is kept"):
         train(model, training_args(tmp_path / "kept"), callbacks=[MegaTrainPlugin(optimizer_state="4bit")],
               optimizers=(opt, sched))
-    with pytest.raises(ValueError, match="device_update=True"):
+    with pytest.raises(IncompatibleOptionsError, match="device_update=True"):
         train(tiny_model("llama"), training_args(tmp_path / "dev"),
               callbacks=[MegaTrainPlugin(optimizer_state="8bit", device_update=True)])
 

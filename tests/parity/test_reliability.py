@@ -35,6 +35,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from megatrain_hf import HostAdamW, MegaTrainPlugin, attach, engine_of
 from megatrain_hf.optim.state_files import OPTIMIZER_DIR, to_torch_state_dict
+from megatrain_hf.errors import BackgroundWorkerError, UnreadableCheckpointError
 
 ATOL = 1e-6
 ROOT = REPO_ROOT
@@ -395,7 +396,7 @@ def test_update_thread_error_surfaces_in_training(tmp_path, monkeypatch):
     )
     calls = _failing_adamw(monkeypatch, after_calls=8)  # fails inside the second optimizer step
     started = time.perf_counter()
-    with deadline(60), pytest.raises(RuntimeError, match="background update failed.*injected AdamW failure"):
+    with deadline(60), pytest.raises(BackgroundWorkerError, match="background update failed.*injected AdamW failure"):
         trainer.train()
     assert calls[0] > 8
     assert trainer.state.global_step == 2  # raised at the next forward, not steps later
@@ -416,7 +417,7 @@ def _attached_step(monkeypatch, fail: bool):
 def test_engine_synchronize_raises_update_error(monkeypatch):
     model, engine, optimizer, ids = _attached_step(monkeypatch, fail=True)
     optimizer.step()  # returns at once; the update fails in the background
-    with deadline(10), pytest.raises(RuntimeError, match="background update failed.*injected store error"):
+    with deadline(10), pytest.raises(BackgroundWorkerError, match="background update failed.*injected store error"):
         engine.synchronize()
     monkeypatch.undo()
     engine.synchronize()  # reported once
@@ -438,12 +439,12 @@ def test_dead_update_thread_does_not_hang(monkeypatch):
     optimizer._drain = die
     optimizer.step()
     with deadline(20):
-        with pytest.raises(RuntimeError, match="ended before finishing its update"):
+        with pytest.raises(BackgroundWorkerError, match="ended before finishing its update"):
             engine.synchronize()
-        with pytest.raises(RuntimeError, match="worker thread died"):
+        with pytest.raises(BackgroundWorkerError, match="worker thread died"):
             optimizer.synchronize()
         optimizer._pending = 0
-        with pytest.raises(RuntimeError, match="worker thread is not running"):
+        with pytest.raises(BackgroundWorkerError, match="worker thread is not running"):
             optimizer.step()
         with torch.no_grad():
             model(input_ids=ids)  # units were released: reading the weights does not block
@@ -464,7 +465,7 @@ def test_dead_gradient_worker_raises_instead_of_blocking():
     dead.start()
     dead.join()
     landing._worker = dead  # the worker ended with units still queued
-    with deadline(20), pytest.raises(RuntimeError, match="gradient worker died"):
+    with deadline(20), pytest.raises(BackgroundWorkerError, match="gradient worker died"):
         landing.wait(0)
     landing._worker, landing._pending = None, 0
     engine.detach()
@@ -495,14 +496,15 @@ def test_crafted_pickles_in_a_checkpoint_are_refused(tmp_path):
 
     scheduler = (ckpt / "scheduler.pt").read_bytes()
     torch.save(_Evil(marker), ckpt / "scheduler.pt")
-    with pytest.raises(RuntimeError, match=r"refused to load scheduler\.pt of .*nothing from the file was executed"):
+    with pytest.raises(UnreadableCheckpointError,
+                       match=r"refused to load scheduler\.pt of .*nothing from the file was"):
         resume()
     assert not marker.exists()
 
     (ckpt / "scheduler.pt").write_bytes(scheduler)
     shutil.rmtree(ckpt / OPTIMIZER_DIR)  # the older single-file format
     torch.save({"state": _Evil(marker), "param_groups": []}, ckpt / "optimizer.pt")
-    with pytest.raises(RuntimeError, match=r"refused to load optimizer\.pt .*nothing from the file was executed"):
+    with pytest.raises(UnreadableCheckpointError, match=r"refused to load optimizer\.pt .*nothing from the file was"):
         resume()
     assert not marker.exists()
     # the payload is live: an unsafe load would have run it

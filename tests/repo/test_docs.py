@@ -245,6 +245,44 @@ def test_mkdocs_build_strict(tmp_path):
     assert (tmp_path / "site" / "index.html").is_file()
 
 
+# ---------------------------------------------------------------------------------- error types
+def _error_types_table() -> dict[str, set[str]]:
+    """``{type: the bases its "also a" column names}`` from docs/troubleshooting.md's "Error types" table."""
+    text = (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
+    section = text[text.index("## Error types"):]
+    section = section[: section.index("\n## ", 4)]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, flags=re.M)
+    return {name: set(re.findall(r"`(\w+)`", also)) for name, also in rows}
+
+
+def test_troubleshooting_lists_every_error_type_with_its_bases():
+    import builtins
+
+    from megatrain_hf import errors
+
+    table = _error_types_table()
+    assert set(table) == set(errors.__all__) - {"MegatrainError"}, "docs/troubleshooting.md's Error types table"
+    for name, bases in table.items():
+        cls = getattr(errors, name)
+        assert issubclass(cls, errors.MegatrainError), name
+        named = {getattr(errors, b, None) or getattr(builtins, b) for b in bases}
+        assert all(issubclass(cls, b) for b in named), f"{name} is not all of {bases}"
+        builtin = [b for b in cls.__mro__ if b.__module__ == "builtins" and b not in (Exception, BaseException, object)]
+        left_out = [b.__name__ for b in builtin if not any(issubclass(n, b) for n in named)]
+        assert not left_out, f"{name}: the table's 'also a' column leaves out {left_out}"
+
+
+def test_troubleshooting_names_only_types_that_exist():
+    import builtins
+
+    from megatrain_hf import errors
+
+    text = (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"\(`(\w+Error)`", text))
+    unknown = sorted(n for n in named if not hasattr(errors, n) and not hasattr(builtins, n))
+    assert not unknown, f"docs/troubleshooting.md names error types that do not exist: {unknown}"
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["--write"]:
         write_config_doc()

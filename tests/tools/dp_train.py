@@ -82,7 +82,7 @@ def _probe_sharded(trainer, model, out: str) -> dict:
         try:
             read()
             found[name] = "no error"
-        except RuntimeError as exc:
+        except Exception as exc:  # (UsageError)
             found[name] = str(exc)
     trainer.save_model(out + ".saved")  # gathers: every rank calls it, rank 0 writes
     return found

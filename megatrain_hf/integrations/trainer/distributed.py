@@ -20,6 +20,7 @@ import logging
 
 import torch
 
+from ...errors import IncompatibleOptionsError
 from ...core.patcher import Patcher
 from ...optim.host_adamw import HostAdamW
 
@@ -47,7 +48,7 @@ def install(patcher: Patcher, plugin, trainer) -> None:
     def create_optimizer_dp(model=None):
         optimizer = create_optimizer(model) if model is not None else create_optimizer()
         if not isinstance(getattr(optimizer, "optimizer", optimizer), HostAdamW):
-            raise ValueError(
+            raise IncompatibleOptionsError(
                 f"megatrain data parallelism over {engine.sharding.world_size} ranks needs its HostAdamW (each "
                 f"rank updates the units it owns), but the optimizer is {type(optimizer).__name__}. Fix: "
                 "optim='adamw_torch_fused' (or 'adamw_torch') and no optimizers=(...) argument, or run one process."

@@ -22,6 +22,7 @@ from typing import Any
 
 import transformers
 
+from ...errors import MegatrainConfigError
 from ...config import MegaTrainConfig
 from .init_wrap import _INIT_SIGNATURE, _find_plugin, enable, enabled_config
 from .plugin import MegaTrainPlugin
@@ -29,17 +30,11 @@ from .plugin import MegaTrainPlugin
 _INIT_NAMES = ("offload_dir", "max_vram_gb", "optimizer_compression")
 
 
-def _not_available(name: str, value: Any, what: str) -> ValueError:
-    return ValueError(
-        f"megatrain_hf.init({name}={value!r}): {what} is not available in this version of megatrain_hf. Leave "
-        f"{name} unset (megatrain keeps the fp32 masters, gradients and AdamW state in host RAM, uncompressed)."
-    )
-
-
 def _vram_bytes(max_vram_gb: Any) -> int:
     if isinstance(max_vram_gb, bool) or not isinstance(max_vram_gb, (int, float)) or not max_vram_gb > 0:
-        raise ValueError(f"megatrain_hf.init(max_vram_gb={max_vram_gb!r}): must be a number of GB > 0 (10**9 bytes), "
-                         "e.g. max_vram_gb=80; or leave it unset for no GPU memory budget.")
+        raise MegatrainConfigError(
+            f"megatrain_hf.init(max_vram_gb={max_vram_gb!r}): must be a number of GB > 0 (10**9 bytes), "
+            "e.g. max_vram_gb=80; or leave it unset for no GPU memory budget.")
     return int(max_vram_gb * 10**9)
 
 
@@ -49,7 +44,7 @@ _COMPRESSION = {True: "8bit", False: "fp32", "bf16": "bf16", "8bit": "8bit", "4b
 def _compression(value: Any) -> str:
     if (isinstance(value, bool) or isinstance(value, str)) and value in _COMPRESSION:
         return _COMPRESSION[value]
-    raise ValueError(
+    raise MegatrainConfigError(
         f"megatrain_hf.init(optimizer_compression={value!r}): allowed: True (8-bit moments), False (fp32), "
         "'bf16', '8bit' or '4bit' (docs/optimizer-state.md). Fix: e.g. optimizer_compression=True."
     )
@@ -60,17 +55,19 @@ def config_options(offload_dir: Any = None, max_vram_gb: Any = None, optimizer_c
     """``init()``'s arguments as ``MegaTrainConfig`` fields (its own names mapped here, and only here)."""
     if offload_dir is not None:
         if "offload_dir" in options:
-            raise ValueError(f"megatrain_hf.init(): got offload_dir twice ({offload_dir!r} and {options['offload_dir']!r})")
+            raise MegatrainConfigError(
+                f"megatrain_hf.init(): got offload_dir twice ({offload_dir!r} and {options['offload_dir']!r})")
         options["offload_dir"] = offload_dir  # MegaTrainConfig validates it (an existing, writable directory)
     if optimizer_compression is not False:
         if "optimizer_state" in options:
-            raise ValueError(f"megatrain_hf.init(): got optimizer_compression={optimizer_compression!r} and "
-                             f"optimizer_state={options['optimizer_state']!r}, which set the same thing; pass one.")
+            raise MegatrainConfigError(
+                f"megatrain_hf.init(): got optimizer_compression={optimizer_compression!r} and "
+                f"optimizer_state={options['optimizer_state']!r}, which set the same thing; pass one.")
         options["optimizer_state"] = _compression(optimizer_compression)
     if max_vram_gb is not None:
         if "max_gpu_memory" in options:
-            raise ValueError(f"megatrain_hf.init(): got max_vram_gb={max_vram_gb!r} and max_gpu_memory="
-                             f"{options['max_gpu_memory']!r}, which set the same budget; pass one.")
+            raise MegatrainConfigError(f"megatrain_hf.init(): got max_vram_gb={max_vram_gb!r} and max_gpu_memory="
+                                       f"{options['max_gpu_memory']!r}, which set the same budget; pass one.")
         options["max_gpu_memory"] = _vram_bytes(max_vram_gb)
     return options
 
@@ -92,7 +89,7 @@ def init(offload_dir: str | None = None, max_vram_gb: float | None = None, optim
     known = {f.name for f in dataclasses.fields(MegaTrainConfig)}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(
+        raise MegatrainConfigError(
             f"megatrain_hf.init() got unknown option(s) {unknown}; allowed: {list(_INIT_NAMES)} and the "
             f"MegaTrainConfig fields {sorted(known)} (docs/configuration.md)."
         )

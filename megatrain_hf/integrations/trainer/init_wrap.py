@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import Trainer
 
+from ...errors import MegatrainConfigError
 from ...config import MegaTrainConfig
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ def _find_plugin(plugins, callbacks) -> "MegaTrainPlugin | None":
     found = [p for p in list(plugins or []) + list(callbacks or []) if isinstance(p, MegaTrainPlugin)]
     unique = list({id(p): p for p in found}.values())
     if len(unique) > 1:
-        raise ValueError(f"got {len(unique)} MegaTrainPlugin instances; pass one.")
+        raise MegatrainConfigError(f"got {len(unique)} MegaTrainPlugin instances; pass one.")
     return unique[0] if unique else None
 
 

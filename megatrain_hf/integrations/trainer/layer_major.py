@@ -23,6 +23,7 @@ import logging
 
 from transformers import Trainer
 
+from ...errors import IncompatibleOptionsError
 from ...core.patcher import Patcher
 from ...models.checks import dropout_modules
 from ...runtime.layer_major import current
@@ -151,7 +152,7 @@ def _run(plugin, trainer, model, group: _StepGroup, training_step) -> list:
             return original_backward(loss, **kwargs)
         unknown = sorted(set(kwargs) - {"retain_graph"})
         if unknown:
-            raise ValueError(
+            raise IncompatibleOptionsError(
                 f"megatrain layer-major accumulation got accelerator.backward(loss, {', '.join(unknown)}=...), "
                 "which it cannot defer. Set MegaTrainConfig(layer_major=False)."
             )

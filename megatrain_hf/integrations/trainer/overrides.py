@@ -28,6 +28,7 @@ import logging
 import torch
 from transformers import Trainer
 
+from ...errors import IncompatibleOptionsError, TrainingDataError
 from ...core.patcher import Patcher
 from ...optim.host_adamw import HostAdamW, convertible
 from . import saving as checkpoints
@@ -87,14 +88,14 @@ def _check_compressible(config, optimizer: torch.optim.Optimizer, kept: bool) ->
         why = (f"the optimizer is {type(optimizer).__name__}" if not convertible(optimizer) else
                "replace_adamw=False keeps torch's AdamW" if not config.replace_adamw else
                "an optimizer passed with its scheduler in Trainer(optimizers=(opt, sched)) is kept as it is")
-        raise ValueError(
+        raise IncompatibleOptionsError(
             f"megatrain: {' and '.join(wants)} applies to megatrain's HostAdamW, but {why}. "
             "Fix: train with AdamW (optim='adamw_torch_fused', the default, or 'adamw_torch'; no scheduler in "
             "optimizers=) and replace_adamw=True, or leave " + " and ".join(w.split("=")[0] for w in wants)
             + " at its default."
         )
     if config.device_update and state != "fp32":
-        raise ValueError(
+        raise IncompatibleOptionsError(
             f"megatrain: optimizer_state={state!r} cannot be combined with device_update=True (the device's "
             "share updates fp32 moments). Fix: set device_update=False or optimizer_state='fp32'."
         )
@@ -135,7 +136,7 @@ def _install_entry_points(patcher: Patcher, plugin, trainer) -> None:
 
         dataset = trainer.train_dataset
         if dataset is not None and has_length(dataset) and len(dataset) == 0:
-            raise ValueError(
+            raise TrainingDataError(
                 f"megatrain: train_dataset ({type(dataset).__name__}) is empty: 0 examples to train on. "
                 "Fix: check the split and the filtering / packing that built it (e.g. examples longer than "
                 "max_length dropped, a wrong split name)."

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from transformers import TrainerCallback
 
+from ...errors import IncompatibleOptionsError, MegatrainConfigError
 from ...config import MegaTrainConfig
 from ...core.patcher import Patcher
 from ...engine import Engine, attach, engine_of
@@ -86,17 +87,17 @@ class MegaTrainPlugin(TrainerCallback):
         check_precision_and_sharding(fp16=args.fp16, deepspeed=getattr(args, "deepspeed", None),
                                      fsdp=getattr(args, "fsdp", None))
         if getattr(args, "fp16_full_eval", False) or getattr(args, "bf16_full_eval", False):
-            raise ValueError(
+            raise IncompatibleOptionsError(
                 "TrainingArguments(bf16_full_eval/fp16_full_eval=True) would cast the host-resident fp32 "
                 "masters in place. Unset it: with bf16=True megatrain already evaluates with bf16 weights."
             )
         if getattr(args, "torch_compile", False):
-            raise ValueError(
+            raise IncompatibleOptionsError(
                 "TrainingArguments(torch_compile=True) compiles the whole model, which megatrain streams "
                 "layer by layer. Unset torch_compile."
             )
         if self.config.grad_dtype != "fp32" and args.gradient_accumulation_steps > 1:
-            raise ValueError(
+            raise IncompatibleOptionsError(
                 f"MegaTrainConfig(grad_dtype={self.config.grad_dtype!r}) keeps one bf16 gradient per weight and step, "
                 f"but TrainingArguments(gradient_accumulation_steps={args.gradient_accumulation_steps}) adds several. "
                 "Fix: gradient_accumulation_steps=1 (a larger per_device_train_batch_size for the same batch), "
@@ -108,7 +109,7 @@ class MegaTrainPlugin(TrainerCallback):
     def attach_to(self, model, args) -> Engine:
         """Attach the engine to ``model`` (or reuse the one attached with the same options)."""
         if model is None:
-            raise ValueError("megatrain needs `model=` (a causal LM on the CPU) or `model_init=`.")
+            raise MegatrainConfigError("megatrain needs `model=` (a causal LM on the CPU) or `model_init=`.")
         self.check_args(args)
         device = self.config.resolve_device(args.device)
         dtype = self.config.resolve_dtype(trainer_bf16=bool(args.bf16))

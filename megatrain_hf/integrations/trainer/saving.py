@@ -26,6 +26,7 @@ import warnings
 import torch
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, TRAINER_STATE_NAME
 
+from ...errors import CheckpointError, UnreadableCheckpointError
 from ...optim.state_files import OPTIMIZER_DIR, atomic_write, fsync_path, fsync_tree, has_sharded_optimizer
 from ...optim.state_files import load_optimizer, save_optimizer
 from ...core.patcher import Patcher
@@ -68,7 +69,7 @@ def install(patcher: Patcher, trainer) -> None:
         except pickle.UnpicklingError as exc:  # torch.load(weights_only=True) met code or a foreign class
             files = SCHEDULER_NAME if sharded else f"{OPTIMIZER_NAME} or {SCHEDULER_NAME}"
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise RuntimeError(
+            raise UnreadableCheckpointError(
                 f"megatrain: refused to load {files} of {checkpoint}: it holds pickled objects other than "
                 "tensors and plain containers, which could run code (torch.load(weights_only=True) refused "
                 f"it: {first}). Resume only from checkpoints you trust; nothing from the file was executed."
@@ -95,7 +96,7 @@ def _load_sharded(trainer, checkpoint: str) -> None:
     folder = os.path.join(checkpoint, OPTIMIZER_DIR)
     if optimizer is None:
         inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-        raise ValueError(
+        raise CheckpointError(
             f"{folder} holds megatrain's per-unit HostAdamW state, but this Trainer's optimizer is "
             f"{type(inner).__name__}. Resume with MegaTrainPlugin(replace_adamw=True) (the default) and "
             "the AdamW optimizer, or convert the folder with megatrain_hf.optim.state_files.to_torch_state_dict()."

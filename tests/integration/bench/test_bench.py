@@ -25,6 +25,7 @@ from megatrain_hf.bench.runner import build_parser, merged_results, parse_system
 from megatrain_hf.bench.systems import (DEEPSPEED_SYSTEMS, SYSTEMS, check_workload, deepspeed_config, fsdp2_config,
                                         host_cores, system_config)
 from megatrain_hf.bench.trend import step_trend, trend_label
+from megatrain_hf.errors import MegatrainConfigError
 from tests.helpers import REPO_ROOT
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -194,7 +195,7 @@ def test_flops_formula_llama_7b_by_hand():
     # GQA: H counts query heads; the smaller k/v projections only change N
     gqa = dataclasses.replace(shape, kv_heads=8)
     assert model_flops_per_token(gqa, 4096) - 6 * non_embedding_params(gqa) == 6_442_450_944
-    with pytest.raises(ValueError):
+    with pytest.raises(MegatrainConfigError):
         model_flops_per_token(shape, 0)
 
 
@@ -275,7 +276,7 @@ def test_baseline_configs_are_the_tuned_ones():
         assert config["optimizer"]["type"] == "AdamW" and "scheduler" not in config  # CPU Adam; Trainer's schedule
     fsdp = fsdp2_config()
     assert fsdp["version"] == 2 and fsdp["cpu_offload"] is True
-    with pytest.raises(ValueError, match="not a DeepSpeed system"):
+    with pytest.raises(MegatrainConfigError, match="not a DeepSpeed system"):
         deepspeed_config("fsdp2", shape)
 
 
@@ -299,7 +300,7 @@ def test_cpu_optimizer_threads_are_the_hosts_cores(monkeypatch):
 
 def test_zenflow_refuses_trainer_accumulation(tmp_path):
     check_workload("deepspeed_zenflow", 1)
-    with pytest.raises(ValueError, match="update_interval"):
+    with pytest.raises(MegatrainConfigError, match="update_interval"):
         check_workload("deepspeed_zenflow", 4)
     args = build_parser().parse_args(["--model", "tiny", "--grad-accum", "4", "--device", "cpu",
                                       "--out", str(tmp_path)])
@@ -326,10 +327,10 @@ def test_deepspeed_accepts_the_configs():
 
 
 def test_cli_rejects_unknown_system_and_mismatched_merge(tmp_path):
-    with pytest.raises(ValueError, match="allowed"):
+    with pytest.raises(MegatrainConfigError, match="allowed"):
         parse_systems("megatrain,zero4")
     (tmp_path / "results.json").write_text(json.dumps({"workload": {"seq_len": 1}, "results": {}}))
-    with pytest.raises(ValueError, match="different workload"):
+    with pytest.raises(MegatrainConfigError, match="different workload"):
         merged_results(tmp_path, {"seq_len": 2}, ["plain"])
     kept = {"workload": {"seq_len": 2}, "results": {"deepspeed": {"status": "ok"}, "plain": {"status": "ok"}}}
     (tmp_path / "results.json").write_text(json.dumps(kept))
@@ -338,7 +339,7 @@ def test_cli_rejects_unknown_system_and_mismatched_merge(tmp_path):
     kept["workload"] = {"seq_len": 2, "shape": {"hidden": 8}}
     (tmp_path / "results.json").write_text(json.dumps(kept))
     assert list(merged_results(tmp_path, {"seq_len": 2, "shape": {"hidden": 8, "tied": False}}, ["plain"])) == ["deepspeed"]
-    with pytest.raises(ValueError, match="different workload"):
+    with pytest.raises(MegatrainConfigError, match="different workload"):
         merged_results(tmp_path, {"seq_len": 2, "shape": {"hidden": 16, "tied": False}}, ["plain"])
 
 
@@ -498,7 +499,7 @@ def test_budget_skips_systems_without_time_and_combine_joins_parts(tmp_path):
     assert list(combined["results"]) == ["plain", "deepspeed"]  # the bench's order
     assert combined["results"]["plain"]["source"]["file"] == "b.json"
     b["workload"] = {**b["workload"], "seq_len": 16}
-    with pytest.raises(ValueError, match="differs"):
+    with pytest.raises(MegatrainConfigError, match="differs"):
         combine([("a.json", a), ("b.json", b)])
     (tmp_path / "a.json").write_text(json.dumps(a))
     assert combine_main(["--out", str(tmp_path / "c"), str(tmp_path / "a.json")]) == 0

@@ -21,6 +21,7 @@ from megatrain_hf.cli import COMMANDS, main
 from megatrain_hf.cli.launch import load_launch_config
 from megatrain_hf.config import ENV_VAR
 from megatrain_hf.memory.shapes import format_count
+from megatrain_hf.errors import MegatrainConfigError, UnsupportedModelError
 from tests.helpers import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -114,7 +115,7 @@ def test_estimate_keeps_the_rest_of_the_table(capsys):
 def _engine_refusal(model) -> str:
     from megatrain_hf import attach
 
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(UnsupportedModelError) as info:
         attach(model, device="cpu")
     return str(info.value)
 
@@ -174,7 +175,7 @@ def test_allowed_accelerate_keys_are_accelerates_own(tmp_path):
 
     from accelerate.commands.config.config_args import ClusterConfig
 
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(MegatrainConfigError) as info:
         load_launch_config(str(_write(tmp_path, LOCAL + "bogus: 1\n")))
     for field in dataclasses.fields(ClusterConfig):
         assert repr(field.name) in str(info.value)

@@ -11,6 +11,8 @@ import torch
 
 from tests.helpers import RandomTokens, tiny_model, training_args
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach
+from megatrain_hf.errors import (HostMemoryError, IncompatibleOptionsError, MegatrainConfigError, PinnedMemoryError,
+                                  TrainingDataError, UnsupportedModelError, UsageError)
 from transformers import Trainer, TrainerCallback
 from tests.helpers import REPO_ROOT
 
@@ -22,7 +24,7 @@ def test_unsupported_architecture():
 
     model = OPTForCausalLM(OPTConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, ffn_dim=64,
                                      vocab_size=64, word_embed_proj_dim=32))
-    with pytest.raises(ValueError, match=r"'opt'.*not supported.*supported: \[.*'llama'.*register_family"):
+    with pytest.raises(UnsupportedModelError, match=r"'opt'.*not supported.*supported: \[.*'llama'.*register_family"):
         attach(model, device="cpu")
 
 
@@ -42,7 +44,7 @@ def test_refused_training_arguments(tmp_path, overrides, message):
     except ValueError as exc:  # some combinations are refused by TrainingArguments itself on CPU
         pytest.skip(f"TrainingArguments refuses {overrides} here already: {exc}")
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(IncompatibleOptionsError, match=message):
         Trainer(model=model, args=args, train_dataset=RandomTokens(), callbacks=[MegaTrainPlugin()])
     assert "forward" not in vars(model.model.layers[0])  # nothing attached, model untouched
 
@@ -51,26 +53,26 @@ def test_refused_training_arguments(tmp_path, overrides, message):
 def test_refused_with_deepspeed_or_fsdp(tmp_path, field, value, message):
     args = training_args(tmp_path)
     object.__setattr__(args, field, value)
-    with pytest.raises(ValueError, match=f"{message}.*use one"):
+    with pytest.raises(IncompatibleOptionsError, match=f"{message}.*use one"):
         MegaTrainPlugin().check_args(args)
 
 
 def test_non_fp32_model_refused():
     model = tiny_model("llama").to(torch.bfloat16)
-    with pytest.raises(ValueError, match="dtype=torch.float32"):
+    with pytest.raises(UnsupportedModelError, match="dtype=torch.float32"):
         attach(model, device="cpu")
 
 
 def test_model_not_on_cpu_refused():
     model = tiny_model("llama").to("meta")
-    with pytest.raises(ValueError, match="needs the model on the CPU"):
+    with pytest.raises(UnsupportedModelError, match="needs the model on the CPU"):
         attach(model, device="cpu")
 
 
 def test_attach_twice_refused():
     model = tiny_model("llama")
     engine = attach(model, device="cpu")
-    with pytest.raises(RuntimeError, match="detach"):
+    with pytest.raises(UsageError, match="detach"):
         attach(model, device="cpu")
     engine.detach()
 
@@ -78,7 +80,7 @@ def test_attach_twice_refused():
 def test_cuda_without_cuda_refused():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
-    with pytest.raises(ValueError, match="CUDA is not available"):
+    with pytest.raises(IncompatibleOptionsError, match="CUDA is not available"):
         attach(tiny_model("llama"), device="cuda")
 
 
@@ -92,18 +94,18 @@ def test_cuda_without_cuda_refused():
     ],
 )
 def test_bad_config_values(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(MegatrainConfigError, match=message):
         MegaTrainConfig(**kwargs)
 
 
 def test_unknown_config_keys():
-    with pytest.raises(ValueError, match=r"unknown megatrain option\(s\) \['slots_typo'\].*allowed"):
+    with pytest.raises(MegatrainConfigError, match=r"unknown megatrain option\(s\) \['slots_typo'\].*allowed"):
         MegaTrainConfig.from_dict({"slots_typo": 3})
 
 
 def test_bad_env_config(monkeypatch):
     monkeypatch.setenv("MEGATRAIN_CONFIG", "{not json")
-    with pytest.raises(ValueError, match="MEGATRAIN_CONFIG is not valid JSON"):
+    with pytest.raises(MegatrainConfigError, match="MEGATRAIN_CONFIG is not valid JSON"):
         MegaTrainConfig.from_env()
 
 
@@ -117,7 +119,7 @@ def test_plugins_kwarg_rejects_other_objects(tmp_path):
 def test_two_plugins_refused(tmp_path):
     from transformers import Trainer
 
-    with pytest.raises(ValueError, match="pass one"):
+    with pytest.raises(MegatrainConfigError, match="pass one"):
         Trainer(
             model=tiny_model("llama"),
             args=training_args(tmp_path),
@@ -129,7 +131,7 @@ def test_two_plugins_refused(tmp_path):
 def test_accelerator_fp16_refused():
     from megatrain_hf import MegaTrainAccelerator
 
-    with pytest.raises(ValueError, match="mixed_precision='bf16'"):
+    with pytest.raises(IncompatibleOptionsError, match="mixed_precision='bf16'"):
         MegaTrainAccelerator(cpu=True, mixed_precision="fp16")
 
 
@@ -183,7 +185,7 @@ def test_host_ram_short_raises_before_allocating(monkeypatch):
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 1024)
     model = tiny_model("llama")
-    with pytest.raises(MemoryError, match=r"(?s)GiB.*Fix"):
+    with pytest.raises(HostMemoryError, match=r"(?s)GiB.*Fix"):
         attach(model, device="cpu")
     assert "forward" not in vars(model.model.layers[0])
 
@@ -207,10 +209,10 @@ def test_host_staging_auto_drops_the_copy_when_that_makes_it_fit(monkeypatch, ca
     assert "drops the bf16 host copy" in caplog.text
     engine.detach()
     for staging in (True,):  # asked for explicitly: refuse instead
-        with pytest.raises(MemoryError, match="GiB"):
+        with pytest.raises(HostMemoryError, match="GiB"):
             attach(tiny_model("llama"), MegaTrainConfig(host_staging=staging), device="cpu", bf16=True)
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 1024)  # not even without it
-    with pytest.raises(MemoryError, match="GiB"):
+    with pytest.raises(HostMemoryError, match="GiB"):
         attach(tiny_model("llama"), device="cpu", bf16=True)
 
 
@@ -224,7 +226,7 @@ def test_empty_train_dataset_refused_with_a_clear_message(tmp_path):
 
     trainer = Trainer(model=tiny_model("llama"), args=training_args(tmp_path), train_dataset=Empty(),
                       callbacks=[MegaTrainPlugin()])
-    with pytest.raises(ValueError, match=r"train_dataset \(Empty\) is empty: 0 examples"):
+    with pytest.raises(TrainingDataError, match=r"train_dataset \(Empty\) is empty: 0 examples"):
         trainer.train()
 
 
@@ -233,7 +235,7 @@ def test_sequence_longer_than_max_position_embeddings_refused():
     engine = attach(model, device="cpu")
     limit = model.config.max_position_embeddings
     ids = torch.randint(0, 128, (1, limit + 1))
-    with pytest.raises(ValueError, match=rf"{limit + 1} tokens, more than the model's max_position_embeddings={limit}"):
+    with pytest.raises(TrainingDataError, match=rf"{limit + 1} tokens, more than the model's max_position_embeddings"):
         model(input_ids=ids, labels=ids)
     ok = ids[:, :limit]
     model(input_ids=ok, labels=ok).loss.backward()  # at the limit: trains
@@ -242,7 +244,7 @@ def test_sequence_longer_than_max_position_embeddings_refused():
     # packed documents restart their positions: explicit position_ids stay within the limit
     positions = torch.cat([torch.arange(limit), torch.arange(1)]).unsqueeze(0)
     model(input_ids=ids, labels=ids, position_ids=positions).loss.backward()
-    with pytest.raises(ValueError, match="max_position_embeddings"):  # and the next plain call is checked again
+    with pytest.raises(TrainingDataError, match="max_position_embeddings"):  # and the next plain call is checked again
         model(input_ids=ids, labels=ids)
     engine.detach()
 
@@ -263,7 +265,7 @@ def test_a_too_long_example_is_refused_before_training_starts(tmp_path, kind):
                       train_dataset=dataset, callbacks=[MegaTrainPlugin()])
     steps = []
     trainer.add_callback(type("Steps", (TrainerCallback,), {"on_step_end": lambda self, *a, **k: steps.append(1)})())
-    with pytest.raises(ValueError, match=rf"example 9 of train_dataset .* has 80 tokens, more than the model's "
+    with pytest.raises(TrainingDataError, match=rf"example 9 of train_dataset .* has 80 tokens, more than the model's "
                                          rf"max_position_embeddings={limit}"):
         trainer.train()
     assert not steps
@@ -291,5 +293,5 @@ def test_pinning_refused_by_the_driver_is_explained(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingCudart())
     model = tiny_model("llama")
-    with pytest.raises(RuntimeError, match=r"cudaHostRegister refused to pin .* \(error 2\).*pin_memory=False"):
+    with pytest.raises(PinnedMemoryError, match=r"cudaHostRegister refused to pin .* \(error 2\).*pin_memory=False"):
         HostStore(list(model.named_children())[:1], compute_dtype=torch.bfloat16, pin=True)

@@ -20,6 +20,7 @@ import megatrain_hf as mt
 from tests.helpers import RandomTokens, assert_close_losses, assert_close_params, state_of, tiny_model, train, training_args
 from megatrain_hf import HostAdamW, MegaTrainConfig, MegaTrainPlugin, engine_of
 from megatrain_hf.integrations.trainer import is_enabled
+from megatrain_hf.errors import MegatrainConfigError
 from tests.helpers import REPO_ROOT
 
 ATOL_FP32 = 1e-6
@@ -98,7 +99,7 @@ def test_the_seed_example_runs_from_a_deferred_model(tmp_path):
     ({"compute_dtype": "fp16"}, r"MegaTrainConfig.compute_dtype='fp16'"),
 ])
 def test_init_refuses_what_it_cannot_do(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(MegatrainConfigError, match=match):
         mt.init(**kwargs)
     assert not is_enabled()
 

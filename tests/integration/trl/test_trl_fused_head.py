@@ -20,6 +20,7 @@ utils = pytest.importorskip("trl.trainer.utils")
 if not hasattr(utils, "add_fused_lm_head"):
     pytest.skip("this trl has no fused LM head", allow_module_level=True)
 from megatrain_hf.integrations.trl import adopt_fused_lm_head  # noqa: E402
+from megatrain_hf.errors import DependencyError, IncompatibleOptionsError
 
 OUTPUTS = ("log_probs", "entropy", "is_top1")
 
@@ -94,7 +95,7 @@ def test_unknown_forms_are_refused():
         return None
 
     model.forward = forward.__get__(model)
-    with pytest.raises(RuntimeError, match="takes fused_lm_head but is not"):
+    with pytest.raises(DependencyError, match="takes fused_lm_head but is not"):
         adopt_fused_lm_head(engine, model)
 
 
@@ -104,7 +105,7 @@ def test_wrapped_head_is_refused_with_the_fix():
     utils.add_fused_lm_head(base, outputs=OUTPUTS)
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
     engine = attach(model, MegaTrainConfig(), device="cpu")
-    with pytest.raises(ValueError, match="modules_to_save"):
+    with pytest.raises(IncompatibleOptionsError, match="modules_to_save"):
         adopt_fused_lm_head(engine, model.get_base_model())
 
 
@@ -114,9 +115,9 @@ def test_trl_outside_the_tested_range_is_refused(monkeypatch):
     from megatrain_hf.integrations import trl as megatrain_trl
 
     monkeypatch.setattr(trl, "__version__", "1.20.0")
-    with pytest.raises(RuntimeError, match=r"trl 1.20.0 is outside the range .*>= 1.15, < 1.17.*pip install"):
+    with pytest.raises(DependencyError, match=r"trl 1.20.0 is outside the range .*>= 1.15, < 1.17.*pip install"):
         megatrain_trl.check_trl_version()
     monkeypatch.setattr(trl, "__version__", "1.15.0")
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "triton" else object())
-    with pytest.raises(RuntimeError, match=r"trl 1.15.0's fused LM head always runs its Triton kernel"):
+    with pytest.raises(DependencyError, match=r"trl 1.15.0's fused LM head always runs its Triton kernel"):
         megatrain_trl.check_trl_version()

@@ -13,6 +13,7 @@ from megatrain_hf.core import activation_offload as offload_module
 from megatrain_hf.core.activation_offload import CheckpointOffload
 from megatrain_hf.core.streams import EmulatedStreams
 from megatrain_hf.stats import EngineStats
+from megatrain_hf.errors import HostMemoryError, UsageError
 
 MiB = 2**20
 
@@ -115,7 +116,7 @@ def test_a_second_load_of_one_checkpoint_is_refused():
     pool = Pool(EmulatedStreams())
     ckpt = pool.offload.save(torch.ones(4), None)
     pool.offload.load(ckpt)
-    with pytest.raises(RuntimeError, match=r"used by a second backward over the same\s+graph.*retain_graph=True"):
+    with pytest.raises(UsageError, match=r"used by a second backward over the same\s+graph.*retain_graph=True"):
         pool.offload.load(ckpt)
     pool.offload.prefetch(ckpt)  # loaded: a no-op, not an error
 
@@ -153,14 +154,14 @@ def test_the_pool_refuses_with_the_arithmetic_when_ram_is_short():
     pool = Pool(EmulatedStreams(), available=lambda: headroom + int(1.5 * MiB), headroom=headroom)
     off = pool.offload
     held = off.save(torch.zeros(MiB // 4), None)  # 1 MiB: fits
-    with pytest.raises(MemoryError) as info:
+    with pytest.raises(HostMemoryError) as info:
         off.save(torch.zeros(MiB // 2), None)  # 2 MiB more: 2.5 MiB available, 1 MiB kept free
     msg = str(info.value)
     assert "needs 2.00 MiB more host RAM (the pool holds 1.00 MiB; 2.50 MiB available, 1.00 MiB kept free)" in msg
     assert "offload_checkpoints=False" in msg and "gradient_accumulation_steps" in msg
     assert len(pool.allocated) == 1 and off.pool_bytes == MiB  # nothing was taken
     huge = torch.zeros(1).expand(100 * MiB)  # 400 MiB counted, none allocated
-    with pytest.raises(MemoryError, match=r"needs 0\.39 GiB more host RAM"):
+    with pytest.raises(HostMemoryError, match=r"needs 0\.39 GiB more host RAM"):
         off.save(huge, None)
     del held
 
@@ -201,7 +202,7 @@ def test_an_input_modified_in_place_before_its_copy_is_refused():
     ckpt = pool.offload.save(x, None)
     x.mul_(2)  # the copy has not landed yet
     time.sleep(latency + 0.02)
-    with pytest.raises(RuntimeError, match="modified in place after the layer used it"):
+    with pytest.raises(UsageError, match="modified in place after the layer used it"):
         pool.offload.load(ckpt)
 
 
@@ -214,7 +215,7 @@ def test_an_input_modified_in_place_is_refused_when_the_queue_is_full():
     x.add_(1)
     for _ in range(offload_module.MAX_PENDING - 1):
         pool.offload.save(torch.randn(8), None)
-    with pytest.raises(RuntimeError, match="modified in place"):
+    with pytest.raises(UsageError, match="modified in place"):
         pool.offload.save(torch.randn(8), None)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from megatrain_hf.core.readiness import UnitGates, zero_grad_after
+from megatrain_hf.errors import BackgroundWorkerError
 
 GUARD_S = 10.0  # far above any wait here (the dead-worker poll is 1 s)
 
@@ -100,7 +101,7 @@ def test_the_error_is_re_raised_once():
     gates.begin_update(1)
     gates.end_update(0, error=first)
     gates.end_update(1, error=second)  # the first error is the one reported
-    with pytest.raises(RuntimeError, match="background update failed.*first failure") as info:
+    with pytest.raises(BackgroundWorkerError, match="background update failed.*first failure") as info:
         gates.wait_ready(1)
     assert info.value.__cause__ is first
     gates.wait_ready(0)  # reported already: not again

@@ -8,6 +8,7 @@ from torch import nn
 
 from megatrain_hf.core.layout import ALIGN_ELEMS, Kind
 from megatrain_hf.core.store import HostStore, unfrozen_error
+from megatrain_hf.errors import PinnedMemoryError, UnsupportedModelError
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -143,7 +144,7 @@ def test_fp32_compute_has_no_staging_and_every_master_is_fp32_wire():
 
 def test_a_parameter_off_the_cpu_is_refused():
     lin = nn.Linear(4, 4, device="meta")
-    with pytest.raises(ValueError, match=r"u\.weight is on meta.*model\s+on the CPU"):
+    with pytest.raises(UnsupportedModelError, match=r"u\.weight is on meta.*model\s+on the CPU"):
         HostStore([("u", lin)], compute_dtype=BF16, pin=False)
 
 
@@ -376,7 +377,7 @@ def test_an_empty_flat_is_not_pinned(monkeypatch):
 
 def test_a_refused_registration_raises_with_the_fix(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(refuse=True))
-    with pytest.raises(RuntimeError, match=r"cudaHostRegister refused.*\(error 2\).*pin_memory=False"):
+    with pytest.raises(PinnedMemoryError, match=r"cudaHostRegister refused.*\(error 2\).*pin_memory=False"):
         HostStore(_units(), compute_dtype=BF16, pin=True)
 
 

@@ -15,6 +15,7 @@ from megatrain_hf.core.store import HostStore
 from megatrain_hf.core.streamer import Streamer
 from megatrain_hf.core.streams import EmulatedStreams
 from megatrain_hf.stats import EngineStats
+from megatrain_hf.errors import BackgroundWorkerError
 
 BF16, FP32 = torch.bfloat16, torch.float32
 GUARD_S = 10.0
@@ -275,5 +276,5 @@ def test_fetch_re_raises_a_failed_update():
     streamer, store, _, _ = _make(EmulatedStreams())
     store.gates.begin_update(1)
     store.gates.end_update(1, error=ValueError("adamw failed"))
-    with pytest.raises(RuntimeError, match="adamw failed"):
+    with pytest.raises(BackgroundWorkerError, match="adamw failed"):
         streamer.fetch(1)

@@ -11,6 +11,7 @@ from megatrain_hf.core.layout import lay_out
 from megatrain_hf.memory import PRESETS, plan_memory
 from megatrain_hf.memory.distributed import plan_ranks
 from megatrain_hf.memory.plan import _DTYPE_BY_NAME, LORA_TARGETS, _layout
+from megatrain_hf.errors import MegatrainConfigError
 
 
 def _plan(**kw):
@@ -37,9 +38,9 @@ def test_ranks_hold_their_units_once_plus_receive_slots():
 
 
 def test_bad_world_sizes_are_refused_with_the_fix():
-    with pytest.raises(ValueError, match="divides world_size=3"):
+    with pytest.raises(MegatrainConfigError, match="divides world_size=3"):
         plan_ranks(_plan(), 3, nodes=2)
-    with pytest.raises(ValueError, match="world_size=0"):
+    with pytest.raises(MegatrainConfigError, match="world_size=0"):
         plan_ranks(_plan(), 0)
 
 

@@ -13,6 +13,7 @@ from tests.helpers import FAMILY_CONFIGS, tiny_model
 from megatrain_hf import memory
 from megatrain_hf.core import store
 from megatrain_hf.cli.estimate import estimate_main
+from megatrain_hf.errors import HostMemoryError, MegatrainConfigError, UnsupportedModelError
 from megatrain_hf.memory import (
     GiB,
     PRESETS,
@@ -108,9 +109,9 @@ def test_from_hf_config_nested_text_config_and_unknown_moe_refused():
     nested = {"model_type": "gemma3", "text_config": {**ODD_KW, "model_type": "gemma3_text", "head_dim": 16}}
     shape = ModelShape.from_hf_config(nested)
     assert (shape.hidden, shape.head_dim, shape.qk_norm, shape.norms_per_layer, shape.tied) == (72, 16, True, 4, True)
-    with pytest.raises(ValueError, match="models the experts of mixtral, olmoe, qwen2_moe and qwen3_moe only"):
+    with pytest.raises(UnsupportedModelError, match="the experts of mixtral, olmoe, qwen2_moe and qwen3_moe only"):
         ModelShape.from_hf_config({**ODD_KW, "model_type": "deepseek_v3", "n_routed_experts": 8})
-    with pytest.raises(ValueError, match="hidden_size"):
+    with pytest.raises(UnsupportedModelError, match="hidden_size"):
         ModelShape.from_hf_config({"model_type": "llama"})
 
 
@@ -260,13 +261,13 @@ def test_gpu_items_follow_batch_and_schedule():
 
 
 def test_plan_rejects_bad_values_with_the_allowed_ones():
-    with pytest.raises(ValueError, match=r"compute_dtype='fp16'.*bf16"):
+    with pytest.raises(MegatrainConfigError, match=r"compute_dtype='fp16'.*bf16"):
         plan_memory(PRESETS["tiny"], seq_len=8, micro_batch=1, compute_dtype="fp16")
-    with pytest.raises(ValueError, match="seq_len=0"):
+    with pytest.raises(MegatrainConfigError, match="seq_len=0"):
         plan_memory(PRESETS["tiny"], seq_len=0, micro_batch=1)
-    with pytest.raises(ValueError, match="lora_targets"):
+    with pytest.raises(MegatrainConfigError, match="lora_targets"):
         plan_memory(PRESETS["tiny"], seq_len=8, micro_batch=1, lora_rank=4, lora_targets=["qkv"])
-    with pytest.raises(ValueError, match="kv_heads"):
+    with pytest.raises(MegatrainConfigError, match="kv_heads"):
         ModelShape(hidden=64, intermediate=128, layers=1, heads=4, kv_heads=3, vocab=10)
 
 
@@ -281,7 +282,7 @@ def test_table_and_dict():
 # ------------------------------------------------------------------------------------ checks
 def test_check_host_memory_error_shows_the_arithmetic_and_the_fix():
     plan = plan_memory(PRESETS["llama-7b"], seq_len=4096, micro_batch=1)
-    with pytest.raises(MemoryError) as info:
+    with pytest.raises(HostMemoryError) as info:
         check_host_memory(plan.host_total, plan.host_breakdown(), available=64 * GiB)
     msg = str(info.value)
     for number in ("25.10", "12.31", "112.72", "114.72", "64.00", "50.72"):

@@ -21,6 +21,7 @@ from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
 from megatrain_hf.core.disk_io import DiskIO
 from megatrain_hf.optim import disk_engines
 from megatrain_hf.optim.paged_state import PagedState
+from megatrain_hf.errors import BackgroundWorkerError, DependencyError, DiskIOError, MegatrainConfigError
 
 SPECS = {0: {"a": (5000, torch.float32)}, 1: {"a": (3000, torch.float32), "b": (1030, torch.int8)},
          2: {"a": (7, torch.float32)}}
@@ -74,7 +75,7 @@ def test_a_failed_deepspeed_read_raises_in_the_training_thread(tmp_path):
                 os.truncate(cut[0], 4096)
 
     cut: list[str] = []
-    with pytest.raises((OSError, RuntimeError)) as info:
+    with pytest.raises((DiskIOError, BackgroundWorkerError)) as info:
         _run(tmp_path, "run", "deepspeed", callbacks=[CutAFile()])
     text = str(info.value) + str(info.value.__cause__)
     assert re.search(rf"reading \d+ bytes at offset 0 of {re.escape(cut[0])} failed: the file holds 4096 bytes",
@@ -94,9 +95,9 @@ def test_a_failed_deepspeed_write_raises_with_the_file_and_the_bytes(tmp_path):
             os.unlink(path)
             os.mkdir(path)
         message = rf"writing {f.nbytes} bytes at offset 0 of {re.escape(path)} failed: DeepSpeed's aio_handle returned -1"
-        with pytest.raises(OSError, match=message):
+        with pytest.raises(DiskIOError, match=message):
             pager.flush()
-        with pytest.raises(OSError, match=message):
+        with pytest.raises(DiskIOError, match=message):
             pager.acquire(1)
     finally:
         os.rmdir(path)
@@ -125,7 +126,7 @@ def test_deepspeed_reads_back_what_it_wrote_and_checks_a_short_file(tmp_path):
             assert torch.equal(flats["a"], torch.full((7,), 2.5))
         assert pager._slot_of(1) is None
         os.truncate(os.path.join(pager.run_dir, f.name), 4096)
-        with pytest.raises(OSError, match=rf"reading {f.nbytes} bytes at offset 0 of .*{f.name} failed: "
+        with pytest.raises(DiskIOError, match=rf"reading {f.nbytes} bytes at offset 0 of .*{f.name} failed: "
                                           "the file holds 4096 bytes"):
             pager.acquire(1)
     finally:
@@ -139,7 +140,7 @@ def test_deepspeed_requested_where_it_cannot_run_is_refused_and_auto_falls_back(
         monkeypatch.setitem(sys.modules, name, None)  # makes `import deepspeed...` raise ImportError
     monkeypatch.setattr(disk_engines, "_op", None)
     monkeypatch.setattr(disk_engines, "_op_error", None)
-    with pytest.raises(RuntimeError, match=r"disk_io='deepspeed' cannot be used: deepspeed is not importable "
+    with pytest.raises(DependencyError, match=r"disk_io='deepspeed' cannot be used: deepspeed is not importable "
                                            r"\((ModuleNotFound|Import)Error.*pip install 'megatrain_hf\[aio\]'.*disk_io='threads'"):
         PagedState(str(tmp_path), SPECS, window=2, disk_io="deepspeed")
     assert os.listdir(tmp_path) == []
@@ -147,8 +148,8 @@ def test_deepspeed_requested_where_it_cannot_run_is_refused_and_auto_falls_back(
         pager = PagedState(str(tmp_path), SPECS, window=2, disk_io="auto")
     assert type(pager.io) is DiskIO and "disk_io='auto' uses the thread pool: deepspeed is not importable" in caplog.text
     pager.close()
-    with pytest.raises(ValueError, match=r"disk_io='libaio'; allowed: 'threads', 'auto', 'deepspeed'"):
+    with pytest.raises(MegatrainConfigError, match=r"disk_io='libaio'; allowed: 'threads', 'auto', 'deepspeed'"):
         PagedState(str(tmp_path), SPECS, window=2, disk_io="libaio")
     assert os.listdir(tmp_path) == []
-    with pytest.raises(ValueError, match="disk_io"):
+    with pytest.raises(MegatrainConfigError, match="disk_io"):
         MegaTrainConfig(disk_io="libaio")
