@@ -12,7 +12,7 @@ from typing import Any
 
 from . import errors
 from .config import MegaTrainConfig
-from .engine import Engine, attach, engine_of, load
+from .engine import Engine, attach, engine_of, gather_state_dict, load
 from .errors import *  # noqa: F403 (the typed exceptions: megatrain_hf.MegatrainConfigError, ...)
 from .stats import EngineStats
 
@@ -31,8 +31,8 @@ _LAZY = {
     "from_config": "megatrain_hf.models.random_init",
 }
 
-__all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "load", "__version__", *errors.__all__,
-           *_LAZY]
+__all__ = ["MegaTrainConfig", "Engine", "EngineStats", "attach", "engine_of", "gather_state_dict", "load", "__version__",
+           *errors.__all__, *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import weakref
 from typing import Any, Callable
 
@@ -29,11 +30,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from .errors import IncompatibleOptionsError, UsageError
 from .config import MegaTrainConfig
 from .core.grads import GradSink
+from .core.ownership import LocalOwnership, ShardedOwnership
 from .core.layout import Kind
 from .core.activation_offload import CheckpointOffload
 from .core.patcher import Patcher
 from .core.sharding import UnitSharding
-from .core.store import HostStore
+from .core.store import HostStore, alias
 from .core.streamer import Streamer
 from .core.streams import streams_for
 from .core.template import TemplateCache
@@ -86,6 +88,8 @@ class Engine:
         self.host_threads = plan.optimizer.threads
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
+        ownership = (ShardedOwnership(self.sharding, plan.transport.receive_slots) if self.sharding is not None
+                     else LocalOwnership())
         try:
             self.store = HostStore(named, compute_dtype=dtype, pin=plan.host.pin,
                                    embedding_units=located.embedding_units, staging=plan.host.staging,
@@ -93,8 +97,7 @@ class Engine:
                                    sources=deferred.source if deferred is not None else None, quantize=quantize,
                                    ranges=deferred.ranges if deferred is not None else None,
                                    stored_quantized=deferred.quantized_source if deferred is not None else None,
-                                   sharding=self.sharding, slots=plan.transport.receive_slots,
-                                   grad_dtype=plan.precision.grads, on_unit=on_unit)
+                                   ownership=ownership, grad_dtype=plan.precision.grads, on_unit=on_unit)
         except BaseException:
             if on_unit is not None:
                 on_unit.close()  # (the files made so far)
@@ -106,10 +109,12 @@ class Engine:
             deferred.finish(model)
         self.streams = streams if streams is not None else streams_for(device)
         self.streamer = Streamer(self.store, device, self.stats, self.streams)
-        sink = GradSink
+        self.grads = GradSink(self.store, self.stats, self.streams, host_threads=self.host_threads)
+        self.grad_keeper = None  # device_update: the device sums kept for the device's share of the update
         if plan.optimizer.device_update:
-            from .optim.device_update import KeepingGradSink as sink
-        self.grads = sink(self.store, self.stats, self.streams, host_threads=self.host_threads)
+            from .optim.device_update import KeepingGradSink
+
+            self.grad_keeper = KeepingGradSink(self.grads)
         self.budget = GpuBudget(device, plan.activations.gpu_budget, plan.activations.offload_checkpoints,
                                 offload=lambda: self.runner.offload, start_offload=self._start_offload,
                                 available_host=self._available_host, on_undo=self.patcher.on_undo)
@@ -128,6 +133,7 @@ class Engine:
         if plan.activations.offload_checkpoints is True:
             self._start_offload()
         self._set_flops_model(model, located)
+        self._gathering = False  # gather_state_dict reads state_dict() (data parallelism)
         self.chunked_loss_active = plan.loss.chunked  # the integration may turn it on ("auto")
         self.chunked_loss_installed = False
         self._install(model)
@@ -163,7 +169,7 @@ class Engine:
         for unit in self.units:
             patcher.set_attr(unit.module, "forward", functools.partial(_unit_forward, weakref.ref(self), unit.index))
         install_model(patcher, model, [u.module for u in self.units], self.device, self.synchronize,
-                      self.store.mark_dirty)
+                      self.store.mark_dirty, self._check_state_readable if self.store.remote else None)
         self._install_chunked_loss(unwrap(model))
         # torch keeps global hooks forever: hold the engine weakly so a dropped model is freed
         on_step = weakref.WeakMethod(self._on_optimizer_step)
@@ -227,9 +233,88 @@ class Engine:
         if self.streams is not None:
             self.streams.synchronize()  # no copy still reads the flats we unpin
         self.grads.close()
-        if self.store.disk_tier is not None:
-            self.store.disk_tier.close()  # the parameters keep their mapping of the masters
+        if self.store.master_files is not None:
+            self.store.master_files.close()  # the parameters keep their mapping of the masters
         self.store.release()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, optimizer=None, defer: bool = True,
+                        on_nonfinite: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, exactly, for any loop.
+
+        The global L2 norm comes from the per-unit norms the gradient sink recorded as the gradients
+        landed (no pass over the host gradients); the clip multiply is ``clip_grad_norm_``'s. With
+        ``optimizer`` a ``HostAdamW`` and ``defer`` (the default), the multiply runs inside its next
+        background update, unit by unit; otherwise the gradients are multiplied at once (do that when
+        your code reads ``.grad`` after clipping). A non-finite norm makes a ``HostAdamW`` skip its next
+        step (weights, moments and step counts unchanged; logged; ``on_nonfinite(norm)`` instead, if
+        given); another optimizer gets the gradients as plain clipping leaves them. Returns the total
+        norm, as torch does. ``norm_type`` other than 2
+        runs torch's own clipping over the host gradients.
+        """
+        params = [e.tensor for u in range(len(self.store.entries)) for e in self.store.owned_trainable(u)]
+        if float(norm_type) != 2.0:
+            self.grads.finish()
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        norm = self.grads.global_norm()  # every gradient is on the host once backward returned
+        deferred = defer and hasattr(optimizer, "set_clip_coef")
+        if not bool(torch.isfinite(norm)):
+            if on_nonfinite is not None:
+                on_nonfinite(norm)
+            elif hasattr(optimizer, "skip_next_step"):
+                optimizer.skip_next_step()
+                logger.warning("megatrain: non-finite gradient norm (%s): the optimizer skips this update (weights, "
+                               "moments and step counts unchanged).", float(norm))
+            return norm
+        if math.isinf(float(max_norm)):  # only the norm is measured
+            return norm
+        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ computes it
+        if deferred:
+            optimizer.set_clip_coef(coef)
+            return norm
+        grads = [p.grad for p in params if p.grad is not None]
+        if float(coef) < 1.0 and grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return norm
+
+    # ------------------------------------------------------------------ data parallelism: the whole model
+    def gather_state_dict(self, dst: int = 0) -> dict | None:
+        """The model's full ``state_dict`` on rank ``dst`` (None on the others), every weight as training
+        left it: the units another rank owns are received unit by unit into fresh tensors. Every rank must
+        call it (a collective). Without data parallelism: ``model.state_dict()``."""
+        self.synchronize()
+        sharding, store = self.store.ownership.sharding, self.store
+        if sharding is None:
+            return self.model.state_dict()
+        received: dict[int, torch.Tensor] = {}
+        for u, bufs in enumerate(store.buffers):
+            if bufs.master_host is None or sharding.owner(u) == dst:
+                continue
+            flat = bufs.master_host if sharding.rank != dst else torch.empty_like(bufs.master_host)
+            sharding.gather_to(u, flat, dst)
+            if sharding.rank == dst:
+                received[u] = flat
+        if sharding.rank != dst:
+            return None
+        replace = {id(e.tensor): alias(flat, e.offset, e.shape) for u, flat in received.items()
+                   for e in store.owned_trainable(u)}
+        self._gathering = True
+        try:
+            full = self.model.state_dict()
+        finally:
+            self._gathering = False
+        by_name = {name: replace[id(p)] for name, p in self.model.named_parameters(remove_duplicate=False)
+                   if id(p) in replace}
+        return {k: by_name.get(k, v) for k, v in full.items()}
+
+    def _check_state_readable(self) -> None:
+        if not self._gathering:
+            sharding = self.store.ownership.sharding
+            raise UsageError(
+                f"megatrain: this process (rank {sharding.rank} of {sharding.world_size}) holds only the units it owns; "
+                "the other ranks' weights are not here, so model.state_dict() / save_pretrained() would not be the "
+                "model (they read as NaN). Fix: megatrain_hf.gather_state_dict(model) on every rank (the full "
+                "state on rank 0), or trainer.save_model() (it gathers), or save_pretrained(dir, state_dict=...) "
+                "with the gathered state.")
 
     def set_final_microbatch(self, is_final: Callable[[], bool]) -> None:
         """Tell the gradient sink whether a backward is the step's last (then gradient norms are wanted)."""
@@ -367,6 +452,13 @@ def load(path, config: MegaTrainConfig | None = None, *, device: torch.device | 
 
     model = from_pretrained(path, **model_kwargs)
     return model, attach(model, config, device=device, bf16=bf16)
+
+
+def gather_state_dict(model: nn.Module, dst: int = 0) -> dict | None:
+    """``model``'s full ``state_dict`` on rank ``dst`` under megatrain's data parallelism (None on the other
+    ranks; every rank must call it); the plain ``state_dict()`` of a model megatrain is not attached to."""
+    engine = engine_of(model)
+    return engine.gather_state_dict(dst) if engine is not None else model.state_dict()
 
 
 def engine_of(model: nn.Module) -> Engine | None:

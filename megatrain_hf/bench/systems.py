@@ -297,7 +297,7 @@ def _check_megatrain(trainer) -> dict[str, Any]:
              "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__}
     _require(engine is not None, "a megatrain engine attached to the model", facts)
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    facts.update(config=engine.config.to_dict(), host_staging=engine.store.staging,
+    facts.update(config=engine.config.to_dict(), host_staging=engine.store.staging.enabled,
                  chunked_loss=engine.chunked_loss_active, adamw_kernel=getattr(optimizer, "kernel", None))
     return facts
 

@@ -1,4 +1,4 @@
-"""Where a unit's gradients land on the host: its accumulators (``HostStore``'s gradient half).
+"""Where a unit's gradients land on the host: its accumulators (composed into ``HostStore``).
 
 Each unit with trainable parameters owns an accumulator laid out like its master flat. With
 ``grad_dtype=torch.float32`` (the default) it is one fp32 flat, ``grad_host``. With
@@ -35,43 +35,47 @@ def grad_bytes(n_train: int, n_staged: int, low: bool) -> int:
     return 2 * n_staged + 4 * (n_train - n_staged) if low else 4 * n_train
 
 
-class GradHome:
-    """The accumulator half of ``HostStore`` (it has ``buffers``)."""
+class GradAccumulators:
+    """Each unit's gradient accumulators (``grad_host``, ``grad_low`` of the store's per-unit buffers):
+    allocation, ``param.grad`` as views of them, the dtype rule. Composed into ``HostStore``."""
 
-    def _allocate_grads(self, u: int, bufs, n_train: int, n_staged: int) -> None:
-        low = u in self.low_grad_units and n_staged > 0
+    def __init__(self, store, grad_dtype: torch.dtype) -> None:
+        self.store = store
+        self.grad_dtype = grad_dtype
+        self.low_units = low_precision_units(len(store.entries), grad_dtype)
+
+    def allocate(self, u: int, bufs, n_train: int, n_staged: int) -> None:
+        low = u in self.low_units and n_staged > 0
         if low:
-            bufs.grad_low = self.allocate(n_staged, self.grad_dtype)
+            bufs.grad_low = self.store.allocate(n_staged, self.grad_dtype)
             bufs.grad_low.zero_()
-        bufs.grad_host = self.allocate(n_train - (n_staged if low else 0), torch.float32)
+        bufs.grad_host = self.store.allocate(n_train - (n_staged if low else 0), torch.float32)
         bufs.grad_host.zero_()
 
-    def entry_name(self, u: int, e: Entry) -> str:  # for errors
-        return f"{self.names[u]}.{e.name}"
+    def low_entries(self) -> list[Entry]:
+        return [e for u in self.low_units for e in self.store.owned_trainable(u) if self.is_low(e)]
 
-    def low_grad_entries(self) -> list[Entry]:
-        return [e for u in self.low_grad_units for e in self.owned_trainable(u) if self.low_grad(e)]
-
-    def mark_grad_dtypes(self) -> None:
+    def mark_dtypes(self) -> None:
         """Let the bf16 accumulators' views be the gradients of their fp32 parameters."""
-        for e in self.low_grad_entries():
+        for e in self.low_entries():
             e.tensor.grad_dtype = self.grad_dtype
 
-    def restore_grad_dtypes(self) -> None:
+    def restore_dtypes(self) -> None:
         """Detach: the parameters' gradients are fp32 again (a bf16 one is converted), as plain torch's."""
-        for e in self.low_grad_entries():
+        for e in self.low_entries():
             grad, e.tensor.grad = e.tensor.grad, None
             e.tensor.grad_dtype = e.tensor.dtype
             if grad is not None:
                 e.tensor.grad = grad.float()
 
-    def low_grad(self, e: Entry) -> bool:
+    def is_low(self, e: Entry) -> bool:
         """Whether ``e``'s accumulator is the low-precision (bf16) one."""
-        return self.buffers[e.owner].grad_low is not None and e.offset < self.buffers[e.owner].n_staged
+        bufs = self.store.buffers[e.owner]
+        return bufs.grad_low is not None and e.offset < bufs.n_staged
 
-    def grad_region(self, e: Entry) -> torch.Tensor:
-        """Entry ``e``'s slice of its owner's gradient accumulator (flat; bf16 where :meth:`low_grad`)."""
-        bufs = self.buffers[e.owner]
+    def region(self, e: Entry) -> torch.Tensor:
+        """Entry ``e``'s slice of its owner's gradient accumulator (flat; bf16 where :meth:`is_low`)."""
+        bufs = self.store.buffers[e.owner]
         if bufs.grad_low is None:
             return bufs.grad_host[e.offset : e.offset + e.numel]
         if e.offset < bufs.n_staged:
@@ -79,10 +83,10 @@ class GradHome:
         start = e.offset - bufs.n_staged
         return bufs.grad_host[start : start + e.numel]
 
-    def holds_grad(self, e: Entry) -> bool:
+    def holds(self, e: Entry) -> bool:
         """Whether ``e``'s ``.grad`` is its accumulator region (not None, not a tensor the user set)."""
         grad = e.tensor.grad
-        return grad is not None and grad.data_ptr() == self.grad_region(e).data_ptr()
+        return grad is not None and grad.data_ptr() == self.region(e).data_ptr()
 
     def check_single(self, e: Entry, grad: torch.Tensor, name: str) -> None:
         """Raise unless ``grad`` may land in ``e``'s bf16 accumulator exactly (its one bf16 gradient)."""
@@ -97,14 +101,14 @@ class GradHome:
                 "a module called twice in one forward, or a zero_grad(set_to_none=False) that kept the last "
                 "step's), which a bf16 accumulator cannot add exactly. " + BF16_FIX)
 
-    def accumulate_grad(self, entry: Entry, grad: torch.Tensor, name: str = "a weight") -> None:
+    def accumulate(self, entry: Entry, grad: torch.Tensor, name: str = "a weight") -> None:
         """Add ``grad`` (any device/dtype) into the host accumulator of ``entry``.
 
         The parameter's ``.grad`` is a view of the accumulator; ``zero_grad(set_to_none=True)``
         drops that view, and the next accumulation starts the region afresh.
         """
         param = entry.tensor
-        region = self.grad_region(entry)
+        region = self.region(entry)
         if region.dtype != torch.float32:
             self.check_single(entry, grad, name)
         grad_host = grad.detach().reshape(-1)

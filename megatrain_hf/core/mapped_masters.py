@@ -26,17 +26,17 @@ def page_masters(store: HostStore, u: int, mapped: torch.Tensor) -> None:
     if mapped.dtype != torch.float32 or mapped.numel() != n:
         raise ValueError(f"page_masters: unit {store.names[u]} needs {n} fp32 elements, got {mapped.numel()} "
                          f"{mapped.dtype}")
-    fresh = store.staging_fresh(u)
-    old, old_tail = bufs.master_host, bufs.master_tail
+    fresh = store.staging.fresh(u)
+    old, old_tail = bufs.master_host, bufs.master_tail if bufs.master_paged is not None else None
     tail = store.allocate(store.n_train(u) - n, torch.float32)
-    tail.copy_(old[n:] if old is not None else old_tail)
+    tail.copy_(bufs.master_tail)
     for e in store.owned_trainable(u):
         e.tensor.data = alias(mapped, e.offset, e.shape) if e.offset < n else alias(tail, e.offset - n, e.shape)
-    bufs.master_host, bufs.master_tail, bufs.master_paged = None, tail, mapped
+    bufs.master_host, bufs.staged_master, bufs.master_tail, bufs.master_paged = None, mapped, tail, mapped
     for flat in (old, old_tail):
         if flat is not None:
             store.free(flat)  # (unpinned; its memory goes back to malloc once nothing aliases it)
     if fresh:
-        store.staging_written(u)  # the copy still matches: only the parameters' storage changed
+        store.staging.written(u)  # the copy still matches: only the parameters' storage changed
     else:
-        bufs.staging_dirty = True
+        store.staging.mark_dirty(u)

@@ -153,22 +153,20 @@ class ReceiveSlots:
     computation reads the slot directly and the gradients are reduced before the next unit's land.
     A unit is given the slot of its position among the remote units."""
 
-    def __init__(self, store, master_slots: int, grad_slots: int) -> None:
-        sizes = [store._sizes[u] for u in store.remote]
-        largest = max(s.n_train for s in sizes)
-        staged = max(s.n_staged for s in sizes)
+    def __init__(self, store, remote: frozenset[int], master_slots: int, grad_slots: int) -> None:
+        largest = max(store.n_train(u) for u in remote)
+        staged = max(store.n_staged(u) for u in remote)
         self.masters = [store.allocate(largest, torch.float32) for _ in range(master_slots)]
         self.grads = [store.allocate(largest, torch.float32) for _ in range(grad_slots)]
         self.staging = ([store.allocate(staged, store.compute_dtype) for _ in range(master_slots)]
-                        if store.staging and staged else [])
-        self.order = {u: i for i, u in enumerate(sorted(store.remote))}
+                        if store.staging.enabled and staged else [])
+        self.order = {u: i for i, u in enumerate(sorted(remote))}
         self.idle = False  # True once released, until a remote unit's masters are received again
 
     def lay_out(self, u: int, bufs, sizes) -> None:
         i = self.order[u]
-        bufs.master_host = self.masters[i % len(self.masters)][: sizes.n_train]
+        bufs.set_masters(self.masters[i % len(self.masters)][: sizes.n_train])
         bufs.grad_host = self.grads[i % len(self.grads)][: sizes.n_train]
-        bufs.n_staged = sizes.n_staged
         if self.staging and sizes.n_staged:
             bufs.staging_host = self.staging[i % len(self.staging)][: sizes.n_staged]
 

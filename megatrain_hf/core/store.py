@@ -4,16 +4,17 @@ Each streamed unit (embedding, decoder layer, final norm, head) owns, laid out b
 
 * ``master_host``  -- one contiguous fp32 flat holding its trainable parameters,
 * ``grad_host``    -- the gradient accumulator of those parameters, laid out the same way (its
-  bf16 part ``grad_low`` with ``grad_dtype=torch.bfloat16``: ``grad_home.py``),
+  bf16 part ``grad_low`` with ``grad_dtype=torch.bfloat16``), managed by ``GradAccumulators``
+  (``grad_accumulators.py``),
 * ``staging_host`` -- the compute-dtype copy of ``master_host[:n_staged]`` that crosses the link
   (absent for fp32 compute, or with ``staging=False``: the fp32 masters are sent and rounded on the
-  device),
+  device), managed by the store's ``staging`` (``staging.py``),
 * ``frozen_host``  -- one flat per storage dtype for frozen parameters (PEFT base weights, a
   reference model): no master, no gradient, no optimizer state. Stored in the wire dtype (2 B/param
   for bf16 matrices), or in fp32 with ``frozen_in_wire_dtype=False`` (for weights that are edited in
   place, e.g. a reference synchronised with the policy; rounded to the wire dtype on the device
   instead). A frozen matrix the caller asks to quantize (``quantize``) is a byte range of the
-  ``uint8`` frozen flat instead (``quant.py``), quantized as it is filled; its parameter then holds
+  ``uint8`` frozen flat instead (``frozen_formats.py``), quantized as it is filled; its parameter then holds
   a one-element NaN placeholder of its shape (the weight exists only quantized).
 
 The registered ``nn.Parameter`` objects are kept (optimizers, PEFT, ``named_parameters`` keep
@@ -23,6 +24,11 @@ storage as tied weights and drops or clones them. A slice is filled from the ten
 tensor's *source* when the caller gives one (a read of a checkpoint straight into the slice: the
 weights then never exist twice). Pinning uses ``cudaHostRegister`` on ordinary
 memory: the caching host allocator would round every flat up to a power of two.
+
+The fp32 masters of a unit are read through two views of its buffers, ``staged_master``
+(``master[:n_staged]``) and ``master_tail`` (``master[n_staged:]``): views of ``master_host``, of a
+receive slot (data parallelism, ``ownership.py``), or a mapping of the disk tier's file and a RAM
+tail (``mapped_masters.py``). Readers never ask which.
 
 Placement suffixes: ``_host`` lives in host RAM, ``_dev`` on the compute device.
 """
@@ -39,12 +45,13 @@ from typing import Callable
 import torch
 
 from ..errors import AttachedModelError, PinnedMemoryError
-from .grad_accumulators import GradHome, low_precision_units
+from .frozen_formats import QuantWork, quantize_into, quantize_tensor
+from .grad_accumulators import GradAccumulators
 from .host_pages import TRIM_EVERY_BYTES, trim
 from .layout import Entry, Kind
-from .frozen_formats import QuantWork, quantize_into, quantize_tensor
+from .ownership import LocalOwnership
 from .readiness import UnitGates
-from .sharding import ReceiveSlots
+from .staging import NoStaging, StagingCache
 from .unit_plan import plan_units
 
 logger = logging.getLogger(__name__)
@@ -67,6 +74,14 @@ def alias(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
     return torch.from_numpy(flat.numpy()[offset : offset + numel]).view(shape)
 
 
+def absent(e: Entry) -> torch.Tensor:
+    """What a parameter whose values are not in this process reads as: NaN, in its shape (one element,
+    expanded; a gradient of its shape can still be assigned). A quantized frozen weight (its values
+    exist only quantized) and, under data parallelism, a unit another rank owns (its masters live on
+    the owner: ``ownership.py``) hold it, so a read is never stale, only loud."""
+    return torch.full((), float("nan"), dtype=e.tensor.dtype).expand(e.shape)
+
+
 @dataclass
 class UnitBuffers:
     """The host flats of one unit (see module docstring)."""
@@ -79,8 +94,14 @@ class UnitBuffers:
     frozen_host: dict = field(default_factory=dict)  # storage dtype -> flat
     staging_dirty: bool = True
     staged_versions: tuple[int, ...] = ()
-    master_paged: torch.Tensor | None = None  # masters on disk: master[:n_staged], a mapping (master_home.py)
-    master_tail: torch.Tensor | None = None  # ... and master[n_staged:] in RAM (master_host is None then)
+    staged_master: torch.Tensor | None = None  # master[:n_staged], wherever the masters live
+    master_tail: torch.Tensor | None = None  # master[n_staged:], wherever the masters live
+    master_paged: torch.Tensor | None = None  # masters on disk: staged_master is this mapping (mapped_masters.py)
+
+    def set_masters(self, flat: torch.Tensor) -> None:
+        """The masters live in ``flat`` (a RAM flat or a receive slot)."""
+        self.master_host = flat
+        self.staged_master, self.master_tail = flat[: self.n_staged], flat[self.n_staged :]
 
 
 def unfrozen_error(unit_name: str, entry_name: str) -> AttachedModelError:
@@ -94,7 +115,7 @@ def unfrozen_error(unit_name: str, entry_name: str) -> AttachedModelError:
     )
 
 
-class HostStore(GradHome):
+class HostStore:
     """Allocates the per-unit flats and re-points the model's tensors into them.
 
     ``units`` is a list of ``(unit_name, module)``; ``embedding_units`` the indices whose weights
@@ -105,7 +126,11 @@ class HostStore(GradHome):
     (read the tensor); ``stored_quantized(tensor)`` what copies a tensor stored quantized already
     (``fill(format, byte_range)``), or None; ``on_unit(store, u)``, if given, runs once unit ``u``'s flats
     are filled (the disk tier takes the masters of the units of its ``masters`` there, filled unpinned,
-    before the next unit's exist). The store does not know what a model is.
+    before the next unit's exist); ``ownership`` which units this process holds (``ownership.py``:
+    all of them by default). The store does not know what a model is.
+
+    Composed of ``accumulators`` (the gradient flats, ``grad_accumulators.py``), ``staging`` (the
+    compute-dtype copy, ``staging.py``) and ``gates`` (each unit's update gate, ``readiness.py``).
     """
 
     def __init__(
@@ -120,18 +145,13 @@ class HostStore(GradHome):
         quantize: Callable[[torch.Tensor], str | None] | None = None,
         ranges: Callable[[torch.Tensor], Callable[[int, int, torch.Tensor], None] | None] | None = None,
         stored_quantized: Callable[[torch.Tensor], Callable | None] | None = None,
-        sharding=None,
-        slots: tuple[int, int] = (1, 1),
+        ownership: LocalOwnership | None = None,
         grad_dtype: torch.dtype = torch.float32,
         on_unit: Callable[["HostStore", int], None] | None = None,
     ) -> None:
-        self.sharding = sharding  # core.sharding.UnitSharding under data parallelism, else None
         self.compute_dtype = compute_dtype
         self.frozen_in_wire_dtype = frozen_in_wire_dtype
-        self.staging = staging and compute_dtype != torch.float32
         self.pin = pin
-        self.grad_dtype = grad_dtype
-        self.low_grad_units = low_precision_units(len(units), grad_dtype)
         self.names = [name for name, _ in units]
         self.buffers: list[UnitBuffers] = []
         self._registered: list[torch.Tensor] = []
@@ -141,9 +161,11 @@ class HostStore(GradHome):
         self._quantize = quantize
         self.entries, self._sizes, self._param_home = plan_units(units, embedding_units, compute_dtype,
                                                                  self.frozen_storage, quantize)
-        self.remote = self._remote_units()
-        self._slots = ReceiveSlots(self, *slots) if self.remote else None
-        self.disk_tier = None  # the files of the masters and moments on disk, if ``on_unit`` made them
+        self.staging = (StagingCache(self, compute_dtype) if staging and compute_dtype != torch.float32
+                        else NoStaging(self))
+        self.accumulators = GradAccumulators(self, grad_dtype)
+        self.ownership = (ownership or LocalOwnership()).bind(self)
+        self.master_files = None  # the disk tier's files holding masters, if ``on_unit`` made them (optim/tier_files.py)
         self._allocate(sources, ranges, stored_quantized, on_unit)
         self.gates = UnitGates(self.names)
 
@@ -178,29 +200,26 @@ class HostStore(GradHome):
         self._registered.append(flat)
         return flat
 
-    def _remote_units(self) -> frozenset[int]:
-        """Units another rank owns, laid into receive slots (a flat another unit reads stays whole)."""
-        if self.sharding is None:
-            return frozenset()
-        tied = {e.owner for u, entries in enumerate(self.entries) for e in entries if e.owner != u}
-        return frozenset(u for u in range(len(self.entries))
-                         if self._sizes[u].n_train and u not in tied and not self.sharding.owns(u))
+    @property
+    def remote(self) -> frozenset[int]:
+        """Units another rank owns (laid into receive slots; empty without data parallelism)."""
+        return self.ownership.remote
 
     def _allocate(self, sources, ranges, stored_quantized=None, on_unit=None) -> None:
         work = None  # the quantization's chunk buffers, one set for every tensor
         filled = 0  # master bytes filled from ``sources`` since the heap was last trimmed
+        remote = self.remote
         for u, entries in enumerate(self.entries):
             bufs = UnitBuffers()
             sizes = self._sizes[u]
-            if u in self.remote:
-                self._slots.lay_out(u, bufs, sizes)
+            bufs.n_staged = sizes.n_staged
+            if u in remote:
+                self.ownership.lay_out(u, bufs, sizes)
             elif sizes.n_train:
                 leaving = u in getattr(on_unit, "masters", ())  # to disk once filled: no need to pin them
-                bufs.master_host = torch.empty(sizes.n_train) if leaving else self.allocate(sizes.n_train, torch.float32)
-                bufs.n_staged = sizes.n_staged
-                self._allocate_grads(u, bufs, sizes.n_train, sizes.n_staged)
-                if self.staging and bufs.n_staged:
-                    bufs.staging_host = self.allocate(bufs.n_staged, self.compute_dtype)
+                bufs.set_masters(torch.empty(sizes.n_train) if leaving else self.allocate(sizes.n_train, torch.float32))
+                self.accumulators.allocate(u, bufs, sizes.n_train, sizes.n_staged)
+                self.staging.allocate(u, bufs)
             for dtype, n in sizes.frozen.items():
                 bufs.frozen_host[dtype] = self.allocate(n, dtype)
                 if dtype == torch.uint8:  # quantized weights: their padding bytes too are defined
@@ -221,13 +240,14 @@ class HostStore(GradHome):
                             quantize_tensor(e.quant, e.tensor, region, work)
                         else:
                             quantize_into(e.quant, read, region, work)
-                    e.tensor.data = torch.full((), float("nan"), dtype=e.tensor.dtype).expand(e.shape)
+                    e.tensor.data = absent(e)
+                    continue
+                if u in remote and e.kind is Kind.TRAINABLE:  # the owner's masters arrive with each fetch
+                    e.tensor.data = absent(e)
                     continue
                 fill = sources(e.tensor) if sources is not None else None
                 with torch.no_grad():
-                    if u in self.remote and e.kind is Kind.TRAINABLE:
-                        pass  # the owner's masters arrive with each fetch
-                    elif fill is None:
+                    if fill is None:
                         region.copy_(e.tensor.detach().reshape(-1))
                     else:
                         fill(region)
@@ -239,7 +259,7 @@ class HostStore(GradHome):
             if filled >= TRIM_EVERY_BYTES:  # the fills' temporaries (checkpoint reads, random draws) stay in the heap
                 trim()
                 filled = 0
-        self.mark_grad_dtypes()
+        self.accumulators.mark_dtypes()
         logger.info(
             "host store: %d units, %.3f GiB of fp32 masters, %.3f GiB host buffers in all, pinned=%s",
             len(self.entries), self.trainable_numel() * 4 / 2**30, self.host_bytes() / 2**30, self.pin,
@@ -257,57 +277,19 @@ class HostStore(GradHome):
         return self._sizes[u].n_staged
 
     def host_bytes(self) -> int:
-        total = self._slots.nbytes() if self._slots is not None else 0
+        total = self.ownership.nbytes()
         for u, b in enumerate(self.buffers):
             tensors = (*b.frozen_host.values(),) if u in self.remote else (
-                b.master_host, b.master_tail, b.grad_host, b.grad_low, b.staging_host, *b.frozen_host.values())
+                b.master_host, b.master_tail if b.master_paged is not None else None, b.grad_host, b.grad_low,
+                b.staging_host, *b.frozen_host.values())
             for t in tensors:
                 if t is not None:
                     total += t.numel() * t.element_size()
         return total
 
-    # ------------------------------------------------------------------ data parallelism
-    def before_read(self, u: int) -> None:
-        """A fetch reads unit ``u``'s masters: under data parallelism, the owner's arrive first."""
-        if self.sharding is None or self.buffers[u].master_host is None:
-            return
-        if u not in self.remote and self._slots is not None and self._slots.reads_in_place(self.pin):
-            self._slots.release()  # no remote unit is read now: the slot's pages go back until the next one
-        self.sharding.broadcast_master(u, self.buffers[u].master_host)
-        self.buffers[u].staging_dirty = u in self.remote or self.buffers[u].staging_dirty  # a slot's copy
-        if u in self.remote:
-            self._slots.idle = False
-
-    def grads_landed(self, u: int, computed: dict | None = None) -> None:
-        """Unit ``u``'s gradients of this backward are here: sum them into the owner's, tensor by tensor.
-        ``computed`` ({entry offset: gradient}; the CPU, a unit another rank owns): sent as computed, so
-        the gradient slot is never written (nor resident)."""
-        if self.sharding is None or self.buffers[u].grad_host is None:
-            return
-        owned = self.owned_trainable(u)  # every rank sends unit u in the same backward (same graph)
-        mine = self.sharding.owns(u)
-        for e in owned:
-            g = computed.get(e.offset) if computed is not None and e.tensor.grad is None else None
-            if mine or g is None and e.tensor.grad is not None:
-                part = self.grad_region(e)
-                if e.tensor.grad is None:  # no contribution here: a zero one (the region may be a reused slot)
-                    part.zero_()
-                    if mine:
-                        e.tensor.grad = part.view(e.shape)
-                self.sharding.reduce_grad_pieces(u, part, part, e.numel)
-            else:  # sent as computed (None: zeros), piece by piece: the slot is never written
-                self.sharding.reduce_grad_pieces(u, None, None if g is None else g.detach().reshape(-1), e.numel)
-            if not mine:
-                e.tensor.grad = None  # the owner holds the sum (and the region may be a slot)
-
-    def held_grads(self) -> list[torch.Tensor]:
-        """The gradients this process holds (its own units'), for the per-step mean."""
-        return [e.tensor.grad for u in range(len(self.entries)) if self.owns(u)
-                for e in self.owned_trainable(u) if e.tensor.grad is not None]
-
     def owns(self, u: int) -> bool:
         """Whether this process holds unit ``u``'s gradient and optimizer state (always, without sharding)."""
-        return self.sharding is None or self.sharding.owns(u)
+        return self.ownership.owns(u)
 
     def home_of(self, param: torch.Tensor) -> tuple[int, Entry] | None:
         """(owner unit, entry) of a parameter the store manages, else None."""
@@ -321,53 +303,24 @@ class HostStore(GradHome):
         """The trainable entries whose master lives in unit ``u``'s own flat."""
         return [e for e in self.entries[u] if e.owner == u and e.kind is Kind.TRAINABLE]
 
-    # ------------------------------------------------------------------ staging
+    def entry_name(self, u: int, e: Entry) -> str:  # for errors
+        return f"{self.names[u]}.{e.name}"
+
+    # ------------------------------------------------------------------ masters
     def mark_dirty(self, u: int | None = None) -> None:
         """The masters of unit ``u`` (all units if None) changed: re-stage before the next fetch."""
         targets = range(len(self.buffers)) if u is None else (u,)
         for i in targets:
-            self.buffers[i].staging_dirty = True
+            self.staging.mark_dirty(i)
             self.gates.bump(i)
 
-    def _versions(self, u: int) -> tuple[int, ...]:
-        return tuple(e.tensor._version for e in self.owned_trainable(u))
+    def staging_changed(self, u: int) -> None:
+        """Unit ``u``'s staging copy no longer matches (a receive slot now holds another unit's masters)."""
+        self.staging.mark_dirty(u)
 
-    def staged_master(self, u: int) -> torch.Tensor:  # master[:n_staged]: in the RAM flat, or mapped (on disk)
-        bufs = self.buffers[u]
-        return bufs.master_paged if bufs.master_paged is not None else bufs.master_host[: bufs.n_staged]
-
-    def stage(self, u: int, master: torch.Tensor | None = None) -> None:
-        """Refresh the compute-dtype copy of unit ``u``'s masters (``master``: from there, the update's
-        copy of :meth:`staged_master`) if they changed.
-
-        Changes are known from ``mark_dirty`` (optimizer steps) or from the parameters' version
-        counters (``load_state_dict``, in-place edits). Version counters alone are not enough:
-        the fused CPU AdamW kernel does not bump them.
-        """
-        bufs = self.buffers[u]
-        if bufs.staging_host is None:
-            return
-        versions = self._versions(u)
-        if bufs.staging_dirty or versions != bufs.staged_versions:
-            bufs.staging_host.copy_(master if master is not None else self.staged_master(u))
-            bufs.staging_dirty = False
-            bufs.staged_versions = versions
-
-    def staging_fresh(self, u: int) -> bool:
-        """Whether unit ``u``'s compute-dtype copy matches its masters (False if it has none)."""
-        bufs = self.buffers[u]
-        return bufs.staging_host is not None and not bufs.staging_dirty and self._versions(u) == bufs.staged_versions
-
-    def staging_written(self, u: int) -> None:
-        """An update wrote the compute-dtype copy of every master it changed: the copy is fresh."""
-        bufs = self.buffers[u]
-        bufs.staging_dirty = False
-        bufs.staged_versions = self._versions(u)
-
-    def staging_slice(self, e: Entry) -> torch.Tensor | None:
-        """Entry ``e``'s slice of its owner's staging copy (None: no copy, or sent in fp32)."""
-        staging = self.buffers[e.owner].staging_host
-        return staging[e.offset : e.offset + e.numel] if staging is not None and e.wire != torch.float32 else None
+    def staged_master(self, u: int) -> torch.Tensor:
+        """master[:n_staged] of unit ``u``: in the RAM flat, a receive slot, or mapped (on disk)."""
+        return self.buffers[u].staged_master
 
     def source(self, u: int, key: tuple[Kind, torch.dtype]) -> tuple[torch.Tensor, int]:
         """(host flat, element offset of its first element in the entries' numbering) for ``key``."""
@@ -375,12 +328,9 @@ class HostStore(GradHome):
         kind, wire = key
         if kind is Kind.FROZEN:  # one frozen flat per unit and storage dtype (rounded to the wire dtype on fetch)
             return bufs.frozen_host[self.frozen_storage(wire)], 0
-        if wire != torch.float32:
-            if bufs.staging_host is not None:
-                self.stage(u)
-                return bufs.staging_host, 0
-            return bufs.master_host[: bufs.n_staged], 0
-        return bufs.master_tail if bufs.master_paged is not None else bufs.master_host[bufs.n_staged :], bufs.n_staged
+        if wire != torch.float32:  # the staging copy (refreshed), or the fp32 masters rounded on the device
+            return self.staging.read(u, bufs.staged_master), 0
+        return bufs.master_tail, bufs.n_staged
 
     # ------------------------------------------------------------------ teardown
     def free(self, flat: torch.Tensor) -> None:
@@ -393,6 +343,5 @@ class HostStore(GradHome):
 
     def release(self) -> None:
         """Unpin the flats. The parameters keep aliasing them (they stay valid host memory)."""
-        self.restore_grad_dtypes()
+        self.accumulators.restore_dtypes()
         _unregister(self._registered)
-

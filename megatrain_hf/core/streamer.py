@@ -23,17 +23,16 @@ caching allocator hands its memory to the next unit's.
 
 from __future__ import annotations
 
-import collections
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import host_pages
-from .layout import Kind
 from .frozen_formats import dequantize_into
+from .layout import Kind
 from .store import HostStore
+from .uploads import InlineUploads, StreamUploads
 
 
 @dataclass
@@ -49,11 +48,9 @@ class Streamer:
         self.device = device
         self.stats = stats  # EngineStats: h2d_bytes counts link traffic host -> device
         self.streams = streams  # CudaStreams / EmulatedStreams, or None: compute on the host flats
-        self.copy_stream = streams.new_stream() if streams is not None else None
+        self.uploads = StreamUploads(stats, streams) if streams is not None else InlineUploads(stats)
         self._inflight: dict[int, _Upload] = {}
         self._resident: tuple[int, _Upload] | None = None
-        self._stalls: collections.deque = collections.deque()  # (event before, event after) around waits
-        self._stalled_s = 0.0  # stall time of pairs already folded (completed)
         self._buffers_dev: dict[tuple[int, str], torch.Tensor] = {}
         for u, entries in enumerate(store.entries):
             for e in entries:
@@ -66,52 +63,32 @@ class Streamer:
         self._owners = [sorted({owner for owner, _ in sources}) for sources in self._sources]
         self._quantized = [[e for e in entries if e.quant is not None] for entries in store.entries]
         self._dequantized: tuple[_Upload, dict[str, torch.Tensor]] | None = None  # of the resident unit
-        self._untrimmed = 0  # bytes of units computed on the host since the heap was last trimmed
-        if streams is None:  # large temporaries (gradients, activations) go back to the OS when freed, and
-            host_pages.mmap_large()  # what filling the store left in the heap goes before the optimizer's state
-            host_pages.trim()
+
+    @property
+    def copy_stream(self):
+        return getattr(self.uploads, "copy_stream", None)
 
     def _generation(self, u: int) -> tuple[int, ...]:
         generation = self.store.gates.generation
         return tuple(generation[o] for o in self._owners[u])
 
     def _issue(self, u: int) -> _Upload:
+        """Upload unit ``u``'s host flats: one copy per source flat, as one batch (``uploads.py``)."""
         self.stats.uploads += 1
         started = time.perf_counter()
         for owner in self._owners[u]:
             self.store.gates.wait_ready(owner)  # no background update is writing these masters
         self.stats.optimizer_wait_s += time.perf_counter() - started
-        streams = self.streams
-        if self.store.sharding is not None:
-            if streams is not None and any(o in self.store.remote for o in self._owners[u]):
-                self.copy_stream.synchronize()  # no earlier upload still reads the receive slot
-            for owner in self._owners[u]:
-                self.store.before_read(owner)  # data parallelism: the owner's masters arrive
+        self.store.ownership.before_read(self._owners[u], self.uploads)  # (data parallelism: the owners' masters)
         flats: dict[tuple, tuple[torch.Tensor, int]] = {}
-        if streams is None:
+        with self.uploads.batch() as batch:
             for owner, key in self._sources[u]:
                 host, base = self.store.source(owner, key)
-                flats[(owner, key)] = (host if host.dtype == key[1] else host.to(key[1]), base)
-                self._untrimmed += host.numel() * host.element_size()
-            if self._untrimmed >= host_pages.TRIM_EVERY_BYTES:  # what the computations freed goes back
-                host_pages.trim()
-                self._untrimmed = 0
-            return _Upload(flats, None, self._generation(u))
-        with streams.on(self.copy_stream):
-            for owner, key in self._sources[u]:
-                host, base = self.store.source(owner, key)
-                dev = streams.empty(host.shape, host.dtype)
-                # pinned source + non_blocking: a DMA on the copy stream, overlapping compute
-                dev.copy_(host, non_blocking=True)
-                self.stats.h2d_bytes += host.numel() * host.element_size()
-                if dev.dtype != key[1]:  # no host staging copy: round the fp32 masters here
-                    dev = dev.to(key[1])
-                flats[(owner, key)] = (dev, base)
-            ready = streams.record(self.copy_stream)
-        return _Upload(flats, ready, self._generation(u))
+                flats[(owner, key)] = (batch.copy(host, key[1]), base)
+        return _Upload(flats, batch.ready, self._generation(u))
 
     def prefetch(self, u: int) -> None:
-        if self.streams is not None and 0 <= u < len(self._sources) and u not in self._inflight:
+        if self.uploads.prefetches and 0 <= u < len(self._sources) and u not in self._inflight:
             self._inflight[u] = self._issue(u)
 
     def fetch(self, u: int) -> dict[str, torch.Tensor]:
@@ -125,8 +102,7 @@ class Streamer:
                 upload = self._issue(u)
             self._resident = (u, upload)
         self.stats.fetches += 1
-        if upload.ready is not None:
-            self._wait_for(upload)
+        self.uploads.wait(upload.ready, [dev for dev, _ in upload.flats.values()])
         tensors: dict[str, torch.Tensor] = {}
         for e in self.store.entries[u]:
             if e.kind is Kind.BUFFER:
@@ -159,41 +135,9 @@ class Streamer:
         self._dequantized = (upload, out)
         return out
 
-    def _wait_for(self, upload: _Upload) -> None:
-        """The compute stream reads the upload only once it landed; a stall is timed with two events."""
-        streams = self.streams
-        compute = streams.current()
-        if upload.ready.query():
-            compute.wait_event(upload.ready)  # (already complete: no stall)
-        else:
-            self.stats.fetches_not_ready += 1
-            before = streams.record(compute, timing=True)
-            compute.wait_event(upload.ready)
-            after = streams.record(compute, timing=True)
-            self._stalls.append((before, after))
-            self._fold_stalls()
-        for dev, _ in upload.flats.values():
-            streams.keep_alive(dev, compute)  # allocated on the copy stream, freed after compute
-
     def exposed_wait_s(self) -> float:
-        """Seconds the compute stream waited for uploads since the last call (exposed H2D time).
-
-        Measured by events around each wait whose upload had not landed when it was queued; read
-        when the work is done (the metrics read it at log time, after the step).
-        """
-        stalls, self._stalls = self._stalls, collections.deque()
-        total, self._stalled_s = self._stalled_s, 0.0
-        for before, after in stalls:
-            after.synchronize()
-            total += before.elapsed_time(after) / 1e3
-        return total
-
-    def _fold_stalls(self, keep: int = 256) -> None:
-        """Sum completed pairs so the list stays short when nobody reads the metric (own loops, eval)."""
-        while self._stalls and (len(self._stalls) > keep or self._stalls[0][1].query()):
-            before, after = self._stalls.popleft()
-            after.synchronize()  # a no-op when query() said done; otherwise only past the cap
-            self._stalled_s += before.elapsed_time(after) / 1e3
+        """Seconds the compute stream waited for uploads since the last call (``uploads.py``)."""
+        return self.uploads.exposed_wait_s()
 
     def device_units(self) -> set[int]:
         """Units whose weights are on the compute device now: the resident one and those in flight."""

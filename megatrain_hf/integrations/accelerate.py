@@ -1,10 +1,12 @@
 """``MegaTrainAccelerator``: megatrain for hand-written Accelerate loops.
 
 ``prepare()`` attaches the engine to every model it is given before Accelerate would place it
-(placement of an attached model on its compute device is a no-op); everything else -- autocast,
-``backward``, ``clip_grad_norm_``, dataloaders, schedulers -- is stock Accelerate. Optimizers
-built on ``model.parameters()`` keep working since the engine keeps the Parameter objects; for
-the per-layer host optimizer build ``HostAdamW(model.parameters(), store=engine.store, ...)``.
+(placement of an attached model on its compute device is a no-op). ``clip_grad_norm_`` over an
+attached model's parameters is ``Engine.clip_grad_norm_`` (exact; the norm from the per-unit norms;
+with a prepared ``HostAdamW`` the multiply runs inside its next update); everything else --
+autocast, ``backward``, dataloaders, schedulers -- is stock Accelerate. Optimizers built on
+``model.parameters()`` keep working since the engine keeps the Parameter objects; for the per-layer
+host optimizer build ``HostAdamW(model.parameters(), store=engine.store, ...)``.
 
 Example::
 
@@ -42,3 +44,18 @@ class MegaTrainAccelerator(Accelerator):
                 engine = attach(obj, self.megatrain_config, device=self.device, bf16=self.mixed_precision == "bf16")
                 self.engines.append(engine)
         return super().prepare(*args, device_placement=device_placement)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        """Accelerate's ``clip_grad_norm_``; over exactly an attached model's trainable parameters, the
+        engine's (``Engine.clip_grad_norm_``), with a prepared ``HostAdamW`` of that model deferring the
+        multiply into its update."""
+        params = list(parameters)
+        ids = {id(p) for p in params}
+        engines = dict.fromkeys([*self.engines, *(engine_of(m) for m in self._models)])  # (attached before prepare too)
+        for engine in filter(None, engines):
+            owned = {id(e.tensor) for u in range(len(engine.store.entries)) for e in engine.store.owned_trainable(u)}
+            if ids == owned:
+                optimizer = next((o for o in (getattr(w, "optimizer", w) for w in self._optimizers)
+                                  if getattr(o, "store", None) is engine.store), None)
+                return engine.clip_grad_norm_(max_norm, norm_type, optimizer=optimizer)
+        return super().clip_grad_norm_(params, max_norm, norm_type=norm_type)

@@ -15,7 +15,8 @@ import torch
 
 from ..errors import DiskSpaceError
 from ..core.disk_io import ALIGN, align_up, check_offload_dir, remove_stale_run_dirs
-from ..core.layout import UnitSizes, moment_bytes, moment_parts
+from ..core.layout import UnitSizes
+from .host_tiers import moment_bytes, moment_parts
 from . import host as host_memory
 from .host import GiB, gib
 
@@ -48,7 +49,7 @@ def tier_bytes(sizes: list[UnitSizes], window: int = DEFAULT_WINDOW, units: list
     """The moments of ``units`` (default: every unit with trainable parameters) of units laid out as
     ``sizes`` on disk, in ``optimizer_state``'s format, and the fp32 masters ``[:n_staged]`` of those of
     ``masters`` that have any: per unit one file, the master first, then each of the moments' tensors
-    (fp32 flats, or codes and scales: ``core/layout.moment_parts``), each ALIGN-aligned; ``window``
+    (fp32 flats, or codes and scales: ``memory/host_tiers.moment_parts``), each ALIGN-aligned; ``window``
     slots of the largest in RAM."""
     units = [u for u, s in enumerate(sizes) if s.n_train] if units is None else units
     masters = tuple(u for u in units if u in set(masters) and sizes[u].n_staged)

@@ -14,7 +14,8 @@ import psutil
 import torch
 
 from ..errors import HostMemoryError, MegatrainConfigError
-from ..core.layout import TensorSpec, UnitSizes, host_tiers, lay_out, wire_dtype
+from ..core.layout import TensorSpec, UnitSizes, lay_out, wire_dtype
+from .host_tiers import host_tiers
 from ..core.frozen_formats import quant_format
 
 logger = logging.getLogger(__name__)

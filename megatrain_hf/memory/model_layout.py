@@ -11,7 +11,8 @@ from typing import Iterable
 
 import torch
 
-from ..core.layout import TensorSpec, UnitSizes, aligned, host_tiers, lay_out, wire_dtype
+from ..core.layout import TensorSpec, UnitSizes, aligned, lay_out, wire_dtype
+from .host_tiers import host_tiers
 from ..core.frozen_formats import quant_format
 from .shapes import ModelShape
 

@@ -12,7 +12,9 @@
   unit from its own checkpoint already (HF's would recompute twice), and enabling it later is a
   logged no-op.
 * **State** reads and writes (``state_dict``, ``load_state_dict``, ``zero_grad`` in place) wait
-  for the background update; a load re-stages the compute-dtype copies.
+  for the background update; a load re-stages the compute-dtype copies. Under data parallelism
+  ``state_dict()`` (and so ``save_pretrained()`` without a ``state_dict``) raises on a rank that
+  holds only its own units, naming ``gather_state_dict`` / ``trainer.save_model``.
 * **Sequence length**: a training forward longer than ``max_position_embeddings`` is refused.
 """
 
@@ -118,8 +120,10 @@ class _Alignment:
 
 
 def install_model(patcher: Patcher, model: nn.Module, units: list[nn.Module], device: torch.device,
-                  synchronize: Callable[[], None], mark_dirty: Callable[[], None]) -> None:
-    """Every change of the module docstring but the units' own forwards."""
+                  synchronize: Callable[[], None], mark_dirty: Callable[[], None],
+                  check_readable: Callable[[], None] | None = None) -> None:
+    """Every change of the module docstring but the units' own forwards. ``check_readable``: raises when
+    this process's parameters are not the model's (data parallelism: the units other ranks own)."""
     base = unwrap(model)
     chain = wrapper_chain(model)
     _disable_hf_checkpointing(patcher, base, chain)
@@ -135,6 +139,8 @@ def install_model(patcher: Patcher, model: nn.Module, units: list[nn.Module], de
             if buf is not None and id(buf) not in in_units and buf.device != device:
                 patcher.set_item(mod, "_buffers", key, buf.to(device))
     patcher.hook(base, base.register_state_dict_pre_hook(lambda *args, **kwargs: synchronize()))
+    if check_readable is not None:
+        patcher.hook(base, base.register_state_dict_pre_hook(lambda *args, **kwargs: check_readable()))
     # load_state_dict (resume, load_best_model_at_end) must not race a background update, and
     # changes the masters (re-stage them)
     patcher.hook(base, base.register_load_state_dict_pre_hook(lambda *args, **kwargs: synchronize()))

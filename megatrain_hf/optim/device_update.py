@@ -1,7 +1,8 @@
 """EXPERIMENTAL: the GPU takes a share of HostAdamW's update (``MegaTrainConfig(device_update=True)``).
 
 Nothing in the default path depends on this module: the engine builds :class:`KeepingGradSink`
-and the Trainer integration :class:`DeviceShareAdamW` only when the option is on.
+(a listener of its gradient sink) and the Trainer integration :class:`DeviceShareAdamW` only when
+the option is on.
 
 * :class:`DeviceShareAdamW` runs a second worker that updates units on the compute device while
   the host worker updates the others. ``step()`` assigns the units in forward order, each to the
@@ -12,7 +13,7 @@ and the Trainer integration :class:`DeviceShareAdamW` only when the option is on
   formula, last-bit differences from the host kernel), and masters, moments and the bf16 copy
   come back down on a second stream while the next piece goes up.
 * :class:`KeepingGradSink` keeps, for the units the last assignment gave the device, the fp32
-  gradient sums it sends down, valid while the unit's ``.grad`` keeps the identity and version it
+  gradient sums the engine's gradient sink sends down (a listener of its sends), valid while the unit's ``.grad`` keeps the identity and version it
   had then (a callback's in-place edit makes the device read the host's gradient instead), so
   those units' gradients need not go up the link again.
 """
@@ -40,36 +41,37 @@ DEVICE_UPDATE_CHUNK = 1 << 25
 bf16 copy), so a large unit (an untied lm_head) never needs all its state on the device."""
 
 
-class KeepingGradSink(GradSink):
-    """A gradient sink that also keeps the device sums of the units in ``keep_on_device``."""
+class KeepingGradSink:
+    """Keeps, on the device, the gradient sums a ``GradSink`` sends down for the units in
+    ``keep_on_device`` (it listens to the sink's sends: ``GradSink.send_listeners``)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, sink: GradSink) -> None:
+        self.sink = sink
         self.keep_on_device: frozenset[int] = frozenset()
         self._kept: dict[int, tuple[tuple, dict[int, torch.Tensor]]] = {}  # unit -> (grad key, {offset: flat})
         self.stale_device_grads = 0  # kept copies found stale when taken (a gradient changed since)
+        sink.send_listeners.append(self._on_send)
 
-    def _send(self, u: int, local: Sums, want_norm: bool, timed: bool = True) -> Sums | None:
+    def _on_send(self, u: int, before: tuple, sums: Sums | None, merged: Sums) -> None:
+        """The sink sent unit ``u``'s gradients (``before``: its grad key until then; ``sums``: what went
+        down, None when some gradient took the synchronous path)."""
         if u not in self.keep_on_device:
-            return super()._send(u, local, want_norm, timed)
-        before = self.grad_key(u)  # what copies kept by an earlier send of this step describe
-        sums = super()._send(u, local, want_norm, timed)
-        if self.streams is None:  # the "device" is the CPU: copies of the accumulated sums
-            sums = [(e, e.tensor.grad.detach().reshape(-1).clone()) for e, _ in local]
+            return
+        if self.sink.streams is None:  # the "device" is the CPU: copies of the accumulated sums
+            sums = [(e, e.tensor.grad.detach().reshape(-1).clone()) for e, _ in merged]
         if sums is None:  # a gradient took the synchronous path: the sums are not all of .grad
             self._kept.pop(u, None)
-            return None
+            return
         old_key, held = self._kept.get(u, (None, {}))
         held = dict(held) if old_key == before else {}
         held.update({e.offset: t for e, t in sums})  # the later sums win
-        self._kept[u] = (self.grad_key(u), held)
-        return sums
+        self._kept[u] = (self.sink.grad_key(u), held)
 
     def take_device_grads(self) -> dict[int, dict[int, torch.Tensor]]:
         """The kept device gradients that still equal the host ``.grad`` (unit -> {offset: flat}), once:
-        the sink forgets them all. Call after backward's gradients landed (``wait()``)."""
+        the keeper forgets them all. Call after backward's gradients landed (``wait()``)."""
         kept, self._kept = self._kept, {}
-        valid = {u: held for u, (key, held) in kept.items() if key == self.grad_key(u)}
+        valid = {u: held for u, (key, held) in kept.items() if key == self.sink.grad_key(u)}
         self.stale_device_grads += len(kept) - len(valid)
         return valid
 
@@ -192,16 +194,16 @@ class DeviceShareAdamW(HostAdamW):
         if not on_device:
             super()._update(job, on_device)
             return
-        staging_was_fresh = self.store.staging_fresh(job.unit)
+        staging_was_fresh = self.store.staging.fresh(job.unit)
         self._update_on_device(job, kept)
         if kept:
             with self._stats_lock:
                 self.kept_grad_units += 1
         self.store.mark_dirty(job.unit)
         if staging_was_fresh:
-            self.store.staging_written(job.unit)
+            self.store.staging.written(job.unit)
         else:
-            self.store.stage(job.unit)
+            self.store.staging.stage(job.unit)
 
     def _account(self, job: UnitJob, on_device: bool, elapsed: float) -> None:
         with self._stats_lock:
@@ -233,7 +235,7 @@ class DeviceShareAdamW(HostAdamW):
                 for step, p, g, m, v, e in zip(w.steps, w.params, w.grads, w.exp_avgs, w.exp_avg_sqs, w.entries):
                     on_dev = kept is not None and e.offset in kept
                     flats = [t.detach().reshape(-1) for t in (p, kept[e.offset] if on_dev else g, m, v)]
-                    stage = self.store.staging_slice(e)
+                    stage = self.store.staging.slice(e)
                     for lo in range(0, e.numel, DEVICE_UPDATE_CHUNK):
                         hi = min(lo + DEVICE_UPDATE_CHUNK, e.numel)
                         if batch and size + hi - lo > DEVICE_UPDATE_CHUNK:

@@ -161,7 +161,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         # step keeps its count (and its bias correction)
         self._steps: dict[tuple[int, int], list[torch.Tensor]] = {}
         specs = {u: self.state_spec(u) for u in self._plan}
-        if self.offload_dir is None and self.store.disk_tier is not None:
+        if self.offload_dir is None and self.store.master_files is not None:
             logger.warning("megatrain: the masters of this model are on disk (offload_state='all'), but this HostAdamW "
                            "has no offload_dir: the update reads and writes them through their mapping. Fix: pass "
                            "offload_dir= and offload_masters= as the engine's config has them.")
@@ -172,7 +172,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
             masters = master_units(self.store, paged, self._offload_masters)
             layout = tier_layout({u: specs[u] for u in paged}, {u: self.store.n_staged(u) for u in masters})
             window = self.offload_window or DEFAULT_WINDOW
-            tier = self.store.disk_tier  # the files the engine made at attach, the masters already in them
+            tier = self.store.master_files  # the files the engine made at attach, the masters already in them
             self._pager = tier.adopt(self, layout, window, self.disk_io) if tier is not None else None
             self._tier = tier if self._pager is not None else None
             if self._pager is None:
@@ -214,9 +214,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
         self.synchronize()
         if self.master_units:  # masters written through their mapping since are in the files, not in a slot
             self._pager.forget(self.master_units)
-        sharding = self.store.sharding
-        if sharding is not None:  # the owners' gradient sums become means (DDP's average)
-            sharding.take_mean(self.store.held_grads())
+        self.store.ownership.finish_grads(self.store)  # (data parallelism: the owners' sums become means)
         clip, self._clip = self._clip, None
         if self._skip_next:
             self._skip_next = False
@@ -229,9 +227,7 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
                 "HostAdamW worker thread is not running (the optimizer was closed, or the thread ended); "
                 "build a new optimizer or restart from the last checkpoint"
             )
-        if sharding is not None:
-            for u in self.all_units:  # every rank: the units' masters change (here or on their owner)
-                self.store.gates.bump(u)
+        self.store.ownership.step_started(self.store.gates, self.all_units)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no upload still reads a staging flat the update rewrites
         jobs = []  # snapshot everything first: a failure here leaves no unit marked busy
@@ -331,17 +327,17 @@ class HostAdamW(AdamWStateIO, torch.optim.Optimizer):
     def _update_resident(self, job: UnitJob, master: torch.Tensor | None = None) -> None:
         """``master``: the unit's staged masters when they are on disk (the slot's copy the update changes)."""
         u = job.unit
-        staging_was_fresh = self.store.staging_fresh(u)
+        staging_was_fresh = self.store.staging.fresh(u)
         for w in job.work:
             if self._native is not None:
-                native_update(self._native, w, [self.store.staging_slice(e) for e in w.entries])
+                native_update(self._native, w, [self.store.staging.slice(e) for e in w.entries])
             else:
                 torch_update(w)
         self.store.mark_dirty(u)
         if self._native is not None and staging_was_fresh:
-            self.store.staging_written(u)  # the kernel wrote the copy of every master it changed
+            self.store.staging.written(u)  # the kernel wrote the copy of every master it changed
         else:
-            self.store.stage(u, master)  # the compute-dtype copy, while the masters are warm in cache
+            self.store.staging.stage(u, master)  # the compute-dtype copy, while the masters are warm in cache
 
     def _account(self, job: UnitJob, on_device: bool, elapsed: float) -> None:
         with self._stats_lock:

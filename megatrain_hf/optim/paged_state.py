@@ -330,13 +330,13 @@ def master_units(store, units, offload_masters) -> list[int]:
     ``HostAdamW(offload_masters=...)`` built by hand; the engine's plan refuses such options before)."""
     if not offload_masters:
         return []
-    if not store.staging:
+    if not store.staging.enabled:
         raise IncompatibleOptionsError(
             "megatrain: the fp32 masters on disk (offload_state='all', offload_masters) need the bf16 staging copy, "
             "which the device streams instead of the masters; this store has none (fp32 compute, or "
             "host_staging=False, streams the masters themselves). Fix: bf16 compute (bf16=True / compute_dtype="
             "'bf16') with host_staging=True or 'auto', or offload_state='moments'.")
-    if store.sharding is not None:  # megatrain_hf/plan.py refuses offload_state='all' with data parallelism
+    if store.ownership.world_size > 1:  # megatrain_hf/plan.py refuses offload_state='all' with data parallelism
         raise RuntimeError("megatrain: masters on disk requested of a store sharded over ranks (the owners "
                            "broadcast their masters from RAM); build HostAdamW through the engine's plan")
     return [u for u in sorted(units) if (offload_masters is True or u in offload_masters) and store.buffers[u].n_staged]
@@ -348,7 +348,7 @@ def move_masters(pager: PagedState, store, units: list[int]) -> None:
     from ..core.mapped_masters import page_masters
 
     for u in units:
-        store.stage(u)  # from the RAM flat now: a stale copy would be refreshed from the mapping (a read of it)
+        store.staging.stage(u)  # from the RAM flat now: a stale copy would be refreshed from the mapping (a read of it)
         with pager.resident(u, write=True) as flats:
             flats[MASTER].copy_(store.staged_master(u))
         pager.flush()  # written before the mapping is read

@@ -50,7 +50,7 @@ class AttachTier:
             specs = {v: unit_spec(self.format, store.owned_trainable(v), store.n_train(v)) for v in self.units}
             self.pager = PagedState(self.offload_dir, tier_layout(specs, {v: store.n_staged(v) for v in self.masters}),
                                     self.window, disk_io=self.disk_io)
-            store.disk_tier = self
+            store.master_files = self
         if u in self.masters:
             move_masters(self.pager, store, [u])
 

@@ -15,7 +15,7 @@ itself:
   one add per token into its row, in token order), without its temporary.
 
 The region is handed to the sink as the gradient; the sink sees the accumulator itself and copies
-nothing (``GradHome.accumulate_grad``). Only on the CPU path (no streams), without data parallelism,
+nothing (``GradAccumulators.accumulate``). Only on the CPU path (no streams), without data parallelism,
 outside a layer-major group, for tensors the unit owns, without tensor hooks, whose accumulator is in
 the dtype the gradient is computed in; everything else takes autograd's temporary as before.
 """
@@ -38,13 +38,13 @@ def landing_regions(grads: GradSink, u: int, trained: list[Entry]) -> dict[str, 
     """{entry name: its accumulator region, shaped like the tensor} for the trained entries of unit
     ``u`` whose gradient may be computed in place now (see module docstring); empty off the CPU path."""
     store = grads.store
-    if grads.streams is not None or store.sharding is not None or grads.in_group:
+    if not grads.landing.in_place or not store.ownership.lands_in_place or grads.in_group:
         return {}
     regions = {}
     for e in trained:
         if e.owner != u or e.tensor.grad is not None or has_tensor_hooks(e.tensor):
             continue
-        region = store.grad_region(e)
+        region = store.accumulators.region(e)
         if region.device.type == "cpu" and region.dtype == torch.float32:
             regions[e.name] = region.view(e.shape)
     return regions

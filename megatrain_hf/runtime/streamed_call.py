@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -46,7 +45,7 @@ from ..core.store import unfrozen_error
 from ..core.streamer import Streamer
 from ..core.template import HookRecord, Mirror, Template
 from .autocast import autocast_state
-from .activation_inputs import Checkpoints
+from .activation_inputs import ActivationInputs, DeviceHome, HostHome
 from .grads_in_place import embedding_weights, embeddings_into, landing_regions
 from .tiling import tileable_mlp, tiled
 
@@ -94,9 +93,9 @@ class StreamedUnit(torch.autograd.Function):
         ctx.runner, ctx.call = runner, call
         ctx.set_materialize_grads(False)  # seen outputs nobody differentiates get no zeros
         ctx.parent, ctx.recomputed, call.parent = call.parent, None, None  # checkpoint_interval > 1
-        ctx.ckpt = runner.offload_checkpoint(x) if ctx.parent is None else None
-        if ctx.ckpt is None and ctx.parent is None:
-            ctx.save_for_backward(x)  # the activation checkpoint of this unit
+        ctx.ckpt = None
+        if ctx.parent is None:
+            runner.inputs.keep(ctx, x)  # the activation checkpoint of this unit (runtime/activation_inputs.py)
         tensors = runner.streamer.fetch(call.unit)
         out = runner.compute(call, x, tensors)
         seen = call.hooks.seen
@@ -121,7 +120,7 @@ class StreamedUnit(torch.autograd.Function):
             )
         runner.at_backward_end()
         try:
-            x = runner.input_of(ctx)
+            x = runner.inputs.input_of(ctx)
             if grad_out is None:  # the output reached no loss: zero gradients, as autograd materializes
                 shape, dtype, device = ctx.out_like
                 grad_out = torch.zeros(shape, dtype=dtype, device=device)
@@ -132,7 +131,7 @@ class StreamedUnit(torch.autograd.Function):
         return None, None, None, grad_x
 
 
-class UnitRunner(Checkpoints):
+class UnitRunner:
     """Runs streamed calls of an engine's units (see module docstring).
 
     What a unit's call looks like is the model family's business, handed in: ``input_kwargs``, the
@@ -154,14 +153,28 @@ class UnitRunner(Checkpoints):
         self.device = device
         self.compute_dtype = compute_dtype
         self.anchor = torch.zeros((), device=device, requires_grad=True)
-        self.offload = None  # CheckpointOffload, once the engine starts it
         self.group = None  # the layer-major Group in progress (runtime/layer_major.py)
-        self._chains: dict[int, weakref.ref] = {}  # micro-batch -> its last offloaded checkpoint
+        self.inputs = ActivationInputs(self)  # where each node's input comes from in its backward
         self._end_queued = None  # graph-task id of the pass whose end callback is queued
         # (tokens, hidden, intermediate width) -> tokens per MLP tile or None; set by the engine (None: never tiled)
         self.tile_policy: Callable[[int, int, int], int | None] | None = None
-        self.checkpoint_interval = 1  # keep the checkpoint of every k-th call of a chain (the engine sets it)
-        self._last_out: dict[int, tuple] = {}  # micro-batch -> (its last output, its version, chain position)
+
+    @property
+    def offload(self):
+        """The pinned pool of host-kept checkpoints (``CheckpointOffload``), or None (kept on the device)."""
+        return self.inputs.offload
+
+    @offload.setter
+    def offload(self, pool) -> None:
+        self.inputs.home = HostHome(pool) if pool is not None else DeviceHome()
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self.inputs.interval
+
+    @checkpoint_interval.setter
+    def checkpoint_interval(self, k: int) -> None:
+        self.inputs.interval = k
 
     # ------------------------------------------------------------------ calls
     def call(self, u: int, args: tuple, kwargs: dict, kernel: Any = None) -> torch.Tensor:
@@ -189,8 +202,7 @@ class UnitRunner(Checkpoints):
                 seq = x.shape[-1] if x.dim() else 1
                 self.stats.count_tokens(x.numel(), seq)
                 self.budget.note_call(0, x.numel())
-            self._chains.pop(self.microbatch_key(), None)  # a micro-batch's forward starts a new chain
-            self._last_out.pop(self.microbatch_key(), None)
+            self.inputs.start_chain()  # a micro-batch's forward starts a new chain
         if not needs_graph:
             out = self.compute(call, x, self.streamer.fetch(u), hooks=False)
             self.streamer.prefetch(u + 1)
@@ -204,10 +216,9 @@ class UnitRunner(Checkpoints):
                 call.dev_rng = torch.cuda.get_rng_state(self.device)
         group = self.group
         anchor = group.anchor_for_call(self.anchor) if group is not None else self.anchor
-        position = self._chain_position(call, x)
+        position = self.inputs.position(call, x)
         out, token, *_ = StreamedUnit.apply(self, call, anchor, x)  # the seen outputs: kept by their hooks
-        if self.checkpoint_interval > 1:
-            self._last_out[self.microbatch_key()] = (weakref.ref(out), out._version, position)
+        self.inputs.produced(out, position)
         if self.offload is None and position == 0:
             self.budget.note_call(x.numel() * x.element_size(), 0)  # the checkpoint this call keeps
         if group is not None and group.record(token):
@@ -266,7 +277,7 @@ class UnitRunner(Checkpoints):
     def recompute_backward(self, call: Call, x: torch.Tensor, grad_out: torch.Tensor,
                            grad_seen: tuple = ()) -> torch.Tensor | None:
         unit = self.units[call.unit]
-        with self.replayed_rng(call):
+        with self.inputs.replayed_rng(call):
             tensors = self.streamer.fetch(call.unit)
             trained = [e for e in unit.trainable if e.tensor.requires_grad]
             leaves = []
@@ -303,6 +314,16 @@ class UnitRunner(Checkpoints):
         self.stats.backward_units += 1
         return grad_x
 
+    def forward_again(self, call: Call, x: torch.Tensor) -> torch.Tensor:
+        """A call's forward once more (no graph), with its RNG and autocast state: its output again."""
+        with self.inputs.replayed_rng(call):
+            with torch.no_grad(), self._autocast(call.autocast):
+                # as a recompute: only the hooks that changed a value in the forward run again (others
+                # would record twice, e.g. captured router logits)
+                out = self.compute(call, x.detach(), self.streamer.fetch(call.unit), recompute=True)
+        self.stats.forward_units -= 1  # a recompute is not a forward
+        return out.requires_grad_(True) if out.is_floating_point() else out  # it came out of a streamed node
+
     # ------------------------------------------------------------------ end of a backward pass
     def at_backward_end(self) -> None:
         """Once per backward pass: have autograd wait for the gradient sink when the pass ends.
@@ -321,7 +342,7 @@ class UnitRunner(Checkpoints):
     def backward_failed(self) -> None:
         """autograd drops queued callbacks when a backward fails: undo what the pass had started."""
         self._end_queued = None
-        self._last_out.clear()
+        self.inputs.clear()
         self.streamer.drop_prefetched()
         self.grads.drop_held()
         try:
@@ -331,7 +352,7 @@ class UnitRunner(Checkpoints):
 
     def backward_done(self) -> None:
         self._end_queued = None
-        self._last_out.clear()  # no forward continues a chain across a backward
+        self.inputs.clear()  # no forward continues a chain across a backward
         self.streamer.drop_prefetched()
         started = time.perf_counter()
         self.grads.wait()  # when backward() returns, every param.grad is complete

@@ -124,7 +124,7 @@ def test_bf16_parity_without_host_staging(tmp_path):
     _, losses = train(model, _args(tmp_path / "mt", bf16=True), dataset=_data(),
                       callbacks=[MegaTrainPlugin(host_staging=False)])
     engine = engine_of(model)
-    assert not engine.store.staging and all(b.staging_host is None for b in engine.store.buffers)
+    assert not engine.store.staging.enabled and all(b.staging_host is None for b in engine.store.buffers)
     ref_state = {n: p.cpu() for n, p in state_of(ref).items()}
     _report("bf16_parity_no_host_staging_llama", ref_losses, losses, ref_state, state_of(model))
     assert_close_losses(ref_losses, losses, BF16_LOSS_ATOL)

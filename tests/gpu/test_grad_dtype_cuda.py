@@ -31,10 +31,10 @@ def test_bf16_gradient_accumulators_match_fp32_ones(tmp_path):
         engine = engine_of(trainer.model)
         runs[name] = (losses, state_of(model), engine.store)
     store = runs["bf16"][2]
-    low = store.low_grad_entries()
+    low = store.accumulators.low_entries()
     registered = {id(t) for t in store._registered}  # the flats the store pinned (cudaHostRegister)
     assert store.pin and low and all(id(store.buffers[e.owner].grad_low) in registered for e in low)
-    assert all(store.grad_region(e).dtype == torch.bfloat16 for e in low)
+    assert all(store.accumulators.region(e).dtype == torch.bfloat16 for e in low)
     assert_close_losses(runs["fp32"][0], runs["bf16"][0], 2e-2)
     for n, p in runs["fp32"][1].items():
         ref, got = p - init[n], runs["bf16"][1][n] - init[n]

@@ -44,9 +44,9 @@ def test_stale_staging_would_be_caught(tmp_path):
     ref = tiny_model("llama")
     _, ref_losses = train(ref, training_args(tmp_path / "ref", bf16=True))
     plugin = MegaTrainPlugin(MegaTrainConfig(compute_dtype="auto"))
-    from megatrain_hf.core.store import HostStore
+    from megatrain_hf.core.staging import StagingCache
 
-    original = HostStore.stage
+    original = StagingCache.stage
     first = {}
 
     def stage_once(self, u, master=None):  # stage each unit once, never refresh
@@ -54,11 +54,11 @@ def test_stale_staging_would_be_caught(tmp_path):
             first[u] = True
             original(self, u, master)
 
-    HostStore.stage = stage_once
+    StagingCache.stage = stage_once
     try:
         _, losses = train(model, training_args(tmp_path / "mt", bf16=True), callbacks=[plugin])
     finally:
-        HostStore.stage = original
+        StagingCache.stage = original
     with pytest.raises(AssertionError):
         assert_close_losses(ref_losses, losses, LOSS_ATOL_BF16)
 

@@ -108,7 +108,7 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
         if e.wire == torch.bfloat16:
             staged = engine.store.buffers[e.owner].staging_host[e.offset : e.offset + e.numel]
             assert torch.equal(staged, p.detach().reshape(-1).to(torch.bfloat16)), n
-    assert all(engine.store.staging_fresh(u) for u, b in enumerate(engine.store.buffers) if b.staging_host is not None)
+    assert all(engine.store.staging.fresh(u) for u, b in enumerate(engine.store.buffers) if b.staging_host is not None)
     opt.close()
     assert not opt._device_worker.is_alive()
 
@@ -195,7 +195,7 @@ def test_device_update_reads_gradients_edited_after_backward(tmp_path):
         results.append((losses, state_of(model)))
         if plugin:
             assert trainer.optimizer.optimizer.kept_grad_units == 0  # no kept copy was used ...
-            assert engine_of(model).grads.stale_device_grads > 0  # ... because those kept were found stale
+            assert engine_of(model).grad_keeper.stale_device_grads > 0  # ... because those kept were found stale
             engine_of(model).detach()
     (ref_losses, ref), (losses, got) = results
     assert_close_losses(ref_losses, losses, 0.0)

@@ -60,7 +60,7 @@ def test_masters_on_disk_equal_the_in_ram_run(tmp_path, kernel, accumulation):
     assert optimizer._pager.bytes_written >= 6 * optimizer._pager.disk_bytes()
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
-    assert optimizer._pager is store.disk_tier.pager  # the files the engine made at attach, adopted
+    assert optimizer._pager is store.master_files.pager  # the files the engine made at attach, adopted
     run_dir = optimizer._pager.run_dir
     optimizer.close()
     assert os.path.exists(run_dir)  # they hold the masters: the engine's until it detaches
@@ -115,7 +115,7 @@ def test_masters_leave_ram_unit_by_unit_while_the_model_attaches(tmp_path, monke
     (tmp_path / "d").mkdir()
     model, engine, _, used = _hand_run(str(tmp_path / "d"), steps=1)
     assert len(seen) == len(engine.store.buffers) and all(v == [] for v in seen)
-    assert engine.state_tier.masters and used[0] is engine.store.disk_tier.pager
+    assert engine.state_tier.masters and used[0] is engine.store.master_files.pager
     engine.detach()
 
 
@@ -126,10 +126,10 @@ def test_optimizers_on_the_attach_tier_equal_the_in_ram_run(tmp_path):
     (tmp_path / "b").mkdir()
     ref, _, ref_losses, _ = _hand_run(None, optimizers=2)
     got, engine, losses, used = _hand_run(str(tmp_path / "a"), optimizers=2)
-    assert used[0] is used[1] is engine.store.disk_tier.pager and losses == ref_losses
+    assert used[0] is used[1] is engine.store.master_files.pager and losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
     other, other_engine, other_losses, other_used = _hand_run(str(tmp_path / "b"), window=3)
-    assert other_used[0] is not other_engine.store.disk_tier.pager and other_losses == ref_losses[:3]
+    assert other_used[0] is not other_engine.store.master_files.pager and other_losses == ref_losses[:3]
     engine.detach()
     other_engine.detach()
     assert os.listdir(tmp_path / "a") == [] and os.listdir(tmp_path / "b") == []
@@ -142,7 +142,7 @@ def test_eight_bit_moments_and_masters_on_disk_equal_the_in_ram_run(tmp_path, ke
     trainer, got, losses = _run(tmp_path, "all", "all", options=options)
     optimizer, store, units = _paged(trainer)
     assert units and optimizer.moments.nbytes() == 0
-    assert optimizer._pager is store.disk_tier.pager  # the attach tier's files, laid out for 8-bit moments
+    assert optimizer._pager is store.master_files.pager  # the attach tier's files, laid out for 8-bit moments
     assert got._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
@@ -187,7 +187,7 @@ def test_writes_through_the_parameters_reach_the_update(tmp_path):
         opt = HostAdamW(model.parameters(), engine.store, lr=1e-2, offload_dir=offload_dir,
                         offload_masters=offload_dir is not None)
         # staged from RAM before the masters left it: the first forward does not read the mapping
-        assert all(engine.store.staging_fresh(u) for u in opt.master_units)
+        assert all(engine.store.staging.fresh(u) for u in opt.master_units)
         losses = []
         for seed in range(4):
             if seed == 2:

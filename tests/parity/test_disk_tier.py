@@ -15,7 +15,7 @@ import subprocess
 
 import pytest
 import torch
-from tests.helpers import (LogRecorder, RandomTokens, assert_same_state, optimizer_files, state_of, tiny_model, train,
+from tests.helpers import (REPO_ROOT, LogRecorder, RandomTokens, assert_same_state, optimizer_files, state_of, tiny_model, train,
                      training_args)
 
 from megatrain_hf import HostAdamW, MegaTrainConfig, MegaTrainPlugin
@@ -66,7 +66,7 @@ def test_compressed_moments_on_disk_equal_the_in_ram_run(tmp_path, mode, accumul
     optimizer = trainer.optimizer.optimizer
     assert optimizer.kernel == kernel and optimizer.moments is not None and optimizer._pager is not None
     assert optimizer.moments.tensors == {} and optimizer.moments.nbytes() == 0  # no moment in RAM outside the window
-    # the plan's bytes of the tier are the files' (one rule: core/layout.moment_parts, aligned)
+    # the plan's bytes of the tier are the files' (one rule: memory/host_tiers.moment_parts, aligned)
     assert got._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
     assert optimizer._pager.bytes_written >= 6 * optimizer._pager.disk_bytes()  # every unit, every step
     assert losses == ref_losses

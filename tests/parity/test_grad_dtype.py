@@ -46,9 +46,9 @@ def test_bf16_accumulators_equal_fp32_ones(tmp_path, options):
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
     store = trainer.optimizer.optimizer.store
-    low = store.low_grad_entries()
+    low = store.accumulators.low_entries()
     assert low and all(e.wire == torch.bfloat16 for e in low)  # every streamed matrix but the head's
-    assert len(store.low_grad_units) == len(store.entries) - 1
+    assert len(store.accumulators.low_units) == len(store.entries) - 1
     assert {e.tensor.grad_dtype for e in low} == {torch.bfloat16}
 
 
@@ -82,7 +82,7 @@ def test_grad_is_a_bf16_view_and_the_plan_counts_two_bytes(tmp_path):
                        callbacks=[MegaTrainPlugin(config), Grads()])
     store = trainer.optimizer.optimizer.store
     names = {id(p): n for n, p in model.named_parameters()}
-    low = {names[id(e.tensor)] for e in store.low_grad_entries()}
+    low = {names[id(e.tensor)] for e in store.accumulators.low_entries()}
     assert low and all(seen[n][0] == torch.bfloat16 for n in low)
     assert all(seen[n][0] == torch.float32 for n in seen if n not in low)
     assert "lm_head.weight" not in low and "model.embed_tokens.weight" not in low

@@ -126,8 +126,8 @@ def test_checkpoint_interval_matches_plain_trainer(family, interval, offload, ag
     from megatrain_hf.runtime.streamed_call import UnitRunner
 
     calls = []
-    forward_again = UnitRunner._forward_again
-    monkeypatch.setattr(UnitRunner, "_forward_again", lambda self, call, x: calls.append(call.unit)
+    forward_again = UnitRunner.forward_again
+    monkeypatch.setattr(UnitRunner, "forward_again", lambda self, call, x: calls.append(call.unit)
                         or forward_again(self, call, x))
     extra = dict(attention_dropout=0.0) if offload == "layer_major" else {}
     ref = tiny_model(family, num_hidden_layers=4, **extra)

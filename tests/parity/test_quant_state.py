@@ -131,8 +131,8 @@ def test_native_kernel_equals_torch_path(mode):
     store = engines[1].store
     for p in models[1].parameters():
         e = store.home_of(p)[1]
-        if store.staging_slice(e) is not None:  # the staging copy written in the same pass
-            assert torch.equal(store.staging_slice(e), p.detach().reshape(-1).to(torch.bfloat16))
+        if store.staging.slice(e) is not None:  # the staging copy written in the same pass
+            assert torch.equal(store.staging.slice(e), p.detach().reshape(-1).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -454,18 +454,20 @@ def test_dead_update_thread_does_not_hang(monkeypatch):
 def test_dead_gradient_worker_raises_instead_of_blocking():
     """A send waiting for room in the gradient queue raises when the worker died with units still
     queued, instead of blocking forever (the bound itself: tests/unit/core/test_grads.py)."""
-    from megatrain_hf.core.grads import MAX_PENDING_SENDS
+    from megatrain_hf.core.grad_landing import MAX_PENDING_SENDS
+    from megatrain_hf.core.streams import EmulatedStreams
 
-    engine = attach(tiny_model("llama"), device="cpu")
-    sink = engine.grads
-    sink._pending = MAX_PENDING_SENDS
+    engine = attach(tiny_model("llama"), device="cpu", streams=EmulatedStreams())
+    landing = engine.grads.landing  # the grad stream's landing: its worker thread lands the copies
+    landing.close()
+    landing._pending = MAX_PENDING_SENDS
     dead = threading.Thread(target=lambda: None)
     dead.start()
     dead.join()
-    sink._worker = dead  # the worker ended with units still queued
+    landing._worker = dead  # the worker ended with units still queued
     with deadline(20), pytest.raises(BackgroundWorkerError, match="gradient worker died"):
-        sink._wait_pending(0)
-    sink._worker, sink._pending = None, 0
+        landing.wait(0)
+    landing._worker, landing._pending = None, 0
     engine.detach()
 
 

@@ -59,21 +59,33 @@ def train(case: dict, out: str, output_dir: str, resume: str | None = None) -> N
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(n=48),
                       eval_dataset=RandomTokens(n=12, seed=2) if case.get("eval") else None, callbacks=callbacks)
     trainer.train(resume_from_checkpoint=resume)
-    state = None
-    from megatrain_hf import engine_of  # (also attached without the plugin here: `megatrain launch`)
+    from megatrain_hf import engine_of, gather_state_dict  # (also attached without the plugin here: `megatrain launch`)
 
     engine = engine_of(model)
-    if engine is not None and engine.sharding is not None:
-        from megatrain_hf.integrations.trainer.distributed import gather_state_dict
-
-        state = gather_state_dict(engine, model)
+    probe = _probe_sharded(trainer, model, out) if case.get("probe") and engine is not None else None
+    state = gather_state_dict(model)  # every rank (a collective under data parallelism); None off rank 0
     if args.process_index == 0:
-        if state is None:
-            state = model.state_dict()
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}
         torch.save({k: v.detach().float().cpu().clone() for k, v in state.items() if k in trainable}, out + ".pt")
         with open(out, "w") as f:
-            json.dump({"logs": [dict(x) for x in callbacks[0].logs]}, f)
+            json.dump({"logs": [dict(x) for x in callbacks[0].logs], "probe": probe}, f)
+
+
+def _probe_sharded(trainer, model, out: str) -> dict:
+    """What reading the model the ordinary way gives on each rank after train() (data parallelism):
+    the parameters of units another rank owns, state_dict(), save_pretrained(), and trainer.save_model()."""
+    engine = __import__("megatrain_hf").engine_of(model)
+    remote = [e.tensor for u in sorted(engine.store.remote) for e in engine.store.owned_trainable(u)]
+    found = {"remote_params": len(remote),
+             "remote_all_nan": all(bool(torch.isnan(p.detach()).all()) for p in remote)}
+    for name, read in (("state_dict", model.state_dict), ("save_pretrained", lambda: model.save_pretrained(out + ".sp"))):
+        try:
+            read()
+            found[name] = "no error"
+        except Exception as exc:  # (UsageError)
+            found[name] = str(exc)
+    trainer.save_model(out + ".saved")  # gathers: every rank calls it, rank 0 writes
+    return found
 
 
 def main() -> None:

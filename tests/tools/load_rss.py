@@ -116,7 +116,7 @@ def load(folder: str, path: str, lora: bool, bf16: bool, out: str | None = None,
     schemes = quantized_weights(model, quant)
     located = engine.family.locate(model)
     plan = host_breakdown_for_units(list(zip(located.names, located.modules)), compute_dtype=engine.compute_dtype,
-                                    staging=engine.store.staging, embedding_units=located.embedding_units,
+                                    staging=engine.store.staging.enabled, embedding_units=located.embedding_units,
                                     optimizer_state=False, quantize=lambda p: schemes.get(id(p)))
     on_disk = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".safetensors"))
     quantized = sum(e.numel for entries in engine.store.entries for e in entries if e.quant is not None)

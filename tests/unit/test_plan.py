@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from megatrain_hf import MegaTrainConfig
-from megatrain_hf.core.layout import TensorSpec, host_tiers, lay_out
+from megatrain_hf.core.layout import TensorSpec, lay_out
+from megatrain_hf.memory.host_tiers import host_tiers
 from megatrain_hf.errors import DiskSpaceError, HostMemoryError, IncompatibleOptionsError, MegatrainError
 from megatrain_hf.memory.host import DEFAULT_HEADROOM_BYTES
 from megatrain_hf.plan import ADJUSTMENTS, RULES, Machine, OptimizerChoice, Run, check, resolve

@@ -22,7 +22,6 @@ import logging
 import torch
 
 from ...core.patcher import Patcher
-from ...core.store import alias
 
 logger = logging.getLogger(__name__)
 
@@ -46,33 +45,10 @@ def install(patcher: Patcher, plugin, trainer) -> None:
     save = trainer._save
 
     def save_model(output_dir=None, _internal_call=False):
-        state = gather_state_dict(engine, trainer.model)
+        state = engine.gather_state_dict()
         if trainer.args.should_save:
             output_dir = output_dir if output_dir is not None else trainer.args.output_dir
             save(output_dir, state_dict=state)
         engine.sharding.barrier()  # the folder is whole before any rank goes on (and reads it)
 
     patcher.set_attr(trainer, "save_model", save_model)
-
-
-def gather_state_dict(engine, model: torch.nn.Module, dst: int = 0) -> dict | None:
-    """The model's full ``state_dict`` on rank ``dst`` (None elsewhere): the units another rank owns
-    are received unit by unit into fresh tensors (every rank must call it)."""
-    engine.synchronize()
-    store, sharding = engine.store, engine.sharding
-    received: dict[int, torch.Tensor] = {}
-    for u, bufs in enumerate(store.buffers):
-        if bufs.master_host is None or sharding.owner(u) == dst:
-            continue
-        flat = bufs.master_host if sharding.rank != dst else torch.empty_like(bufs.master_host)
-        sharding.gather_to(u, flat, dst)
-        if sharding.rank == dst:
-            received[u] = flat
-    if sharding.rank != dst:
-        return None
-    replace = {}
-    for u, flat in received.items():
-        for e in store.owned_trainable(u):
-            replace[id(e.tensor)] = alias(flat, e.offset, e.shape)
-    by_name = {name: replace[id(p)] for name, p in model.named_parameters(remove_duplicate=False) if id(p) in replace}
-    return {k: by_name.get(k, v) for k, v in model.state_dict().items()}

@@ -9,9 +9,9 @@ Public hooks where they exist:
 * ``train`` / ``evaluate`` / ``predict``: TRL's fused LM head is taken over first (TRL adds it
   after ``Trainer.__init__``); ``train`` refuses an empty dataset with a clear message.
 * ``accelerator.clip_grad_norm_`` (Trainer's clipping and gradient-norm logging both call it):
-  the global norm comes from the per-unit norms the gradient sink computed; with HostAdamW the
-  clip is a multiply inside the background update (exactly ``clip_grad_norm_``'s multiply), or
-  applied to the gradients at once when a callback could observe them (it overrides
+  ``Engine.clip_grad_norm_`` -- the global norm from the per-unit norms the gradient sink computed;
+  with HostAdamW the clip is a multiply inside the background update (exactly ``clip_grad_norm_``'s
+  multiply), or applied to the gradients at once when a callback could observe them (it overrides
   ``on_pre_optimizer_step`` or ``on_optimizer_step``). A non-finite norm skips the update.
 * ``accelerator.prepare_optimizer``: HostAdamW's state is not copied to the device and back.
 * ``accelerator.prepare_model(..., evaluation_mode=True)`` (how TRL prepares its reference and reward
@@ -24,7 +24,6 @@ Checkpoint and layer-major overrides live in ``checkpoints.py`` and ``layer_majo
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 from transformers import Trainer
@@ -32,7 +31,8 @@ from transformers import Trainer
 from ...errors import TrainingDataError
 from ...core.patcher import Patcher
 from ...optim.host_adamw import HostAdamW, convertible
-from ...plan import OptimizerChoice, Run, check
+from ...plan import OptimizerChoice, Run
+from ...plan import check as check_plan
 from . import saving as checkpoints
 from . import distributed
 from . import layer_major
@@ -83,7 +83,7 @@ def _check_compressible(plugin, optimizer: torch.optim.Optimizer, kept: bool) ->
     if plugin.engine is not None:
         plugin.engine.plan.check(optimizer=choice)
     else:
-        check(plugin.config, run=Run(optimizer=choice))
+        check_plan(plugin.config, run=Run(optimizer=choice))
 
 
 def _host_optimizer(plugin, optimizer: torch.optim.Optimizer) -> HostAdamW:
@@ -99,7 +99,7 @@ def _host_optimizer(plugin, optimizer: torch.optim.Optimizer) -> HostAdamW:
         from ...optim.device_update import DeviceShareAdamW
 
         # the device's units keep their gradients on the GPU, unless a GPU budget has no room planned for them
-        sink = engine.grads if plan.optimizer.device_keeps_grads else None
+        sink = engine.grad_keeper if plan.optimizer.device_keeps_grads else None
         return DeviceShareAdamW.from_optimizer(optimizer, engine.store, grad_sink=sink, stats=engine.stats, **kwargs)
     return HostAdamW.from_optimizer(optimizer, engine.store, **kwargs)
 
@@ -195,25 +195,15 @@ def _install_accelerator(patcher: Patcher, plugin, trainer) -> None:
         engine = plugin.engine
         if optimizer is None or engine is None or float(norm_type) != 2.0:
             return original_clip(parameters, max_norm, norm_type)
-        norm = engine.grads.global_norm()  # every gradient is on the host once backward returned
-        if not bool(torch.isfinite(norm)):
-            plugin.skip_step(trainer, optimizer, norm)
-            return norm
-        if math.isinf(float(max_norm)):  # Trainer only measures the norm (max_grad_norm=0)
-            return norm
-        coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # as clip_grad_norm_ computes it
-        if engine.store.grad_dtype == torch.float32 and plugin.observers(trainer, "on_pre_optimizer_step",
-                                                                          "on_optimizer_step"):
+        # the multiply runs inside the background update unless a callback observes the gradients
+        # around the optimizer step (bf16 accumulators hold the one bf16 gradient: never multiplied here)
+        observed = engine.store.accumulators.grad_dtype == torch.float32 and plugin.observers(
+            trainer, "on_pre_optimizer_step", "on_optimizer_step")
+        if observed:
             plugin.log_once(logging.INFO, "megatrain: a callback observes the gradients before/after the optimizer "
                             "step: clipping is applied to them at once instead of inside the background update")
-            store = engine.store
-            grads = [e.tensor.grad for u in range(len(store.entries)) for e in store.owned_trainable(u)
-                     if e.tensor.grad is not None]
-            if float(coef) < 1.0 and grads:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))
-        else:
-            optimizer.set_clip_coef(coef)
-        return norm
+        return engine.clip_grad_norm_(max_norm, optimizer=optimizer, defer=not observed,
+                                      on_nonfinite=lambda norm: plugin.skip_step(trainer, optimizer, norm))
 
     original_prepare_model = accelerator.prepare_model
 

@@ -55,7 +55,7 @@ def install(patcher: Patcher, trainer) -> None:
 
     def _save_optimizer_and_scheduler(output_dir):
         optimizer = host_adamw(trainer)
-        sharded = optimizer is not None and optimizer.store.sharding is not None  # every rank writes its units
+        sharded = optimizer is not None and optimizer.store.ownership.sharding is not None  # every rank writes its units
         if optimizer is None or not (trainer.args.should_save or sharded):
             return original_save_opt(output_dir)
         save_optimizer(optimizer, os.path.join(output_dir, OPTIMIZER_DIR))
@@ -137,7 +137,7 @@ def _staged_save_checkpoint(trainer, patcher: Patcher, original_save, original_g
 
     args = trainer.args
     optimizer = host_adamw(trainer)
-    sharding = optimizer.store.sharding if optimizer is not None else None
+    sharding = optimizer.store.ownership.sharding if optimizer is not None else None
     if args.push_to_hub or not (args.should_save or sharding is not None):
         return original_save(model, trial)  # (the hub upload reads the folder in the background)
     run_dir = original_get_output_dir(trial=trial)

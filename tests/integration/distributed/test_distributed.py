@@ -93,19 +93,29 @@ FULL = dict(steps=4, eval=True)
 def test_three_ranks_match_plain_trainer_and_resume_on_two_and_three(tmp_path):
     """3 ranks under torchrun (eval, checkpoints every 2 steps, resumed from step 2 in the same
     processes) and 2 ranks under ``accelerate launch`` resumed from the 3-rank checkpoint (resharded
-    by unit): all equal to plain Trainer."""
+    by unit): all equal to plain Trainer. On rank 0 the parameters of units other ranks own read as
+    NaN after train() (never stale), state_dict() and save_pretrained() refuse naming the fix, and
+    trainer.save_model() writes the gathered weights."""
     ref = _reference(tmp_path, "ref", batch=6, **FULL)
     out, run = tmp_path / "dp3.json", tmp_path / "dp3"
-    _ok(_torchrun(dict(batch=2, megatrain=True, save_steps=2, then_resume="checkpoint-2", **FULL), out, run, 3))
+    _ok(_torchrun(dict(batch=2, megatrain=True, save_steps=2, then_resume="checkpoint-2", probe=True, **FULL), out,
+                  run, 3))
     _assert_same(ref, str(out))
+    # read the ordinary way on rank 0, the units other ranks own are NaN (never stale), and state_dict() /
+    # save_pretrained() refuse with the fix; trainer.save_model() gathers
+    probe = json.load(open(out))["probe"]
+    assert probe["remote_params"] > 0 and probe["remote_all_nan"], probe
+    for read in ("state_dict", "save_pretrained"):
+        assert "gather_state_dict" in probe[read] and "trainer.save_model" in probe[read], probe[read]
     _assert_same(ref, str(out) + ".resumed", partial=True)  # the same world size
     # the checkpoint's weights are a plain save_pretrained folder
     from transformers import AutoModelForCausalLM
 
-    saved = AutoModelForCausalLM.from_pretrained(run / "checkpoint-4")
     final = torch.load(str(out) + ".pt")
-    for name, p in saved.named_parameters():
-        torch.testing.assert_close(p.detach(), final[name], atol=0, rtol=0)
+    for folder in (run / "checkpoint-4", str(out) + ".saved"):
+        saved = AutoModelForCausalLM.from_pretrained(folder)
+        for name, p in saved.named_parameters():
+            torch.testing.assert_close(p.detach(), final[name], atol=0, rtol=0)
     units = sorted(os.listdir(run / "checkpoint-2" / "megatrain_optimizer"))
     assert len(units) == 5, units  # embedding, 2 layers, norm, head: written by their three owners
     # another world size (resharded by unit), launched by accelerate with the shipped config

@@ -205,7 +205,7 @@ def test_host_staging_auto_drops_the_copy_when_that_makes_it_fit(monkeypatch, ca
     monkeypatch.setattr(memory, "available_host_bytes", lambda: available)
     with caplog.at_level("INFO", logger="megatrain_hf"):
         engine = attach(model, device="cpu", bf16=True)
-    assert not engine.store.staging and all(b.staging_host is None for b in engine.store.buffers)
+    assert not engine.store.staging.enabled and all(b.staging_host is None for b in engine.store.buffers)
     assert "drops the bf16 host copy" in caplog.text
     engine.detach()
     for staging in (True,):  # asked for explicitly: refuse instead

@@ -84,13 +84,13 @@ def _reference_norm(params) -> torch.Tensor:
 def test_first_contribution_copies_later_ones_add(rig):
     u = 1
     for e in rig.entries(u):
-        rig.store.grad_region(e).fill_(9.0)  # what an earlier step left (zero_grad set .grad to None)
+        rig.store.accumulators.region(e).fill_(9.0)  # what an earlier step left (zero_grad set .grad to None)
     g1, g2 = rig.grads(u, dtype=BF16, seed=1), rig.grads(u, dtype=BF16, seed=2)
     rig.sink.submit(u, rig.entries(u), g1)
     rig.sink.submit(u, rig.entries(u), g2)  # emulated: before the first one landed
     rig.sink.wait()
     for e, a, b in zip(rig.entries(u), g1, g2):
-        assert rig.store.holds_grad(e)
+        assert rig.store.accumulators.holds(e)
         assert e.tensor.grad.dtype == FP32
         assert torch.equal(e.tensor.grad, a.float() + b.float())  # the host's fp32 add, bit for bit
 

@@ -1,4 +1,5 @@
-"""core/layout.py on its own: the flat layout, the wire dtype rule, the host tiers, the loss chunk."""
+"""core/layout.py on its own: the flat layout, the wire dtype rule, the loss chunk; and the host tiers of a layout
+(memory/host_tiers.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from megatrain_hf.core.layout import (
     TensorSpec,
     UnitSizes,
     aligned,
-    host_tiers,
     lay_out,
     loss_chunk_tokens,
     wire_dtype,
 )
+from megatrain_hf.memory.host_tiers import host_tiers
 
 BF16, FP32 = torch.bfloat16, torch.float32
 

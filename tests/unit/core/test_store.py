@@ -114,7 +114,7 @@ def test_tied_weight_lives_once_in_the_owner_flat():
     assert store.buffers[2].master_host is None and store.buffers[2].grad_host is None
     assert store.entries_of(2, Kind.TRAINABLE) == [tied]
     assert store.home_of(head.weight) == (0, own)
-    assert store.grad_region(tied).data_ptr() == store.grad_region(own).data_ptr()
+    assert store.accumulators.region(tied).data_ptr() == store.accumulators.region(own).data_ptr()
     assert store.trainable_numel() == sum(b.master_host.numel() for b in store.buffers[:2])
 
 
@@ -175,7 +175,7 @@ def test_source_without_staging_sends_fp32_masters_to_be_rounded_on_the_device()
     flat, base = store.source(1, (Kind.TRAINABLE, BF16))
     assert base == 0 and flat.dtype == FP32 and flat.numel() == bufs.n_staged
     assert flat.data_ptr() == bufs.master_host.data_ptr()
-    assert store.staging_slice(_entry(store, 1, "proj.weight")) is None
+    assert store.staging.slice(_entry(store, 1, "proj.weight")) is None
 
 
 def test_source_of_frozen_weights_is_their_flat():
@@ -188,9 +188,9 @@ def test_source_of_frozen_weights_is_their_flat():
 def test_staging_slice():
     store, _, _ = _store()
     e = _entry(store, 1, "proj.weight")
-    sl = store.staging_slice(e)
+    sl = store.staging.slice(e)
     assert sl.data_ptr() == store.buffers[1].staging_host.data_ptr() + e.offset * 2 and sl.numel() == e.numel
-    assert store.staging_slice(_entry(store, 1, "norm.weight")) is None  # sent in fp32
+    assert store.staging.slice(_entry(store, 1, "norm.weight")) is None  # sent in fp32
 
 
 # ---------------------------------------------------------------------- staging freshness
@@ -202,56 +202,56 @@ def _staging_matches(store, u) -> bool:
 def test_stage_and_version_counters():
     store, units, _ = _store()
     proj = units[1][1].proj.weight
-    assert not store.staging_fresh(1)  # never staged
-    store.stage(1)
-    assert store.staging_fresh(1) and _staging_matches(store, 1)
+    assert not store.staging.fresh(1)  # never staged
+    store.staging.stage(1)
+    assert store.staging.fresh(1) and _staging_matches(store, 1)
     with torch.no_grad():
         proj.add_(1.0)  # an in-place edit bumps the parameter's version counter
-    assert not store.staging_fresh(1)
-    store.stage(1)
-    assert store.staging_fresh(1) and _staging_matches(store, 1)
+    assert not store.staging.fresh(1)
+    store.staging.stage(1)
+    assert store.staging.fresh(1) and _staging_matches(store, 1)
     # load_state_dict copies in place too
     units[1][1].load_state_dict({k: v + 1 for k, v in units[1][1].state_dict().items()})
-    assert not store.staging_fresh(1)
-    store.stage(1)
+    assert not store.staging.fresh(1)
+    store.staging.stage(1)
     assert _staging_matches(store, 1)
-    assert not store.staging_fresh(0)  # a unit without a staging copy is never fresh
+    assert not store.staging.fresh(0)  # a unit without a staging copy is never fresh
 
 
 def test_mark_dirty_catches_writes_the_version_counters_miss():
     store, _, _ = _store()
-    store.stage(1)
+    store.staging.stage(1)
     gen = list(store.gates.generation)
     bufs = store.buffers[1]
     bufs.master_host[: bufs.n_staged] += 1.0  # as the fused AdamW kernel writes: no version bump
-    assert store.staging_fresh(1)  # the counters did not see it ...
-    store.stage(1)
+    assert store.staging.fresh(1)  # the counters did not see it ...
+    store.staging.stage(1)
     assert not _staging_matches(store, 1)  # ... so stage() does not copy
     store.mark_dirty(1)
-    assert not store.staging_fresh(1)
+    assert not store.staging.fresh(1)
     assert store.gates.generation == [gen[0], gen[1] + 1, gen[2]]
-    store.stage(1)
-    assert store.staging_fresh(1) and _staging_matches(store, 1)
+    store.staging.stage(1)
+    assert store.staging.fresh(1) and _staging_matches(store, 1)
     store.mark_dirty()  # every unit
     assert store.gates.generation == [gen[0] + 1, gen[1] + 2, gen[2] + 1]
-    assert not store.staging_fresh(1)
+    assert not store.staging.fresh(1)
 
 
 def test_staging_written_marks_the_copy_fresh_without_copying():
     store, units, _ = _store()
     bufs = store.buffers[1]
-    store.stage(1)
+    store.staging.stage(1)
     with torch.no_grad():
         units[1][1].proj.weight.mul_(3.0)  # the update changes the masters ...
     bufs.staging_host.copy_(bufs.master_host[: bufs.n_staged])  # ... and writes their bf16 copy itself
     bufs.staging_host[0] = 123.0  # a value stage() would overwrite
-    assert not store.staging_fresh(1)
-    store.staging_written(1)
-    assert store.staging_fresh(1)
-    store.stage(1)
+    assert not store.staging.fresh(1)
+    store.staging.written(1)
+    assert store.staging.fresh(1)
+    store.staging.stage(1)
     assert bufs.staging_host[0].item() == 123.0  # not re-staged
     store.mark_dirty(1)
-    store.stage(1)
+    store.staging.stage(1)
     assert _staging_matches(store, 1)
 
 
@@ -260,7 +260,7 @@ def test_grad_region_is_the_entry_slice_of_the_owner_accumulator():
     store, _, _ = _store()
     for u in range(3):
         for e in store.entries_of(u, Kind.TRAINABLE):
-            region = store.grad_region(e)
+            region = store.accumulators.region(e)
             grad_host = store.buffers[e.owner].grad_host
             assert region.numel() == e.numel
             assert region.data_ptr() == grad_host.data_ptr() + 4 * e.offset
@@ -271,19 +271,19 @@ def test_accumulate_grad_copies_then_adds():
     store, units, _ = _store()
     e = _entry(store, 1, "proj.weight")
     p = units[1][1].proj.weight
-    region = store.grad_region(e)
+    region = store.accumulators.region(e)
     region.fill_(7.0)  # stale content from an earlier step (zero_grad(set_to_none=True) leaves it)
-    assert not store.holds_grad(e)
+    assert not store.accumulators.holds(e)
     g1 = torch.randn(e.shape)
-    store.accumulate_grad(e, g1)
-    assert store.holds_grad(e) and p.grad.data_ptr() == region.data_ptr()
+    store.accumulators.accumulate(e, g1)
+    assert store.accumulators.holds(e) and p.grad.data_ptr() == region.data_ptr()
     assert torch.equal(p.grad, g1)  # copied, not added to the stale 7s
     g2 = torch.randn(e.shape).to(BF16)  # a bf16 gradient adds in fp32
-    store.accumulate_grad(e, g2)
+    store.accumulators.accumulate(e, g2)
     assert p.grad.dtype == FP32
     assert torch.equal(p.grad, g1 + g2.float())
     p.grad = None  # zero_grad(set_to_none=True)
-    store.accumulate_grad(e, g2)
+    store.accumulators.accumulate(e, g2)
     assert torch.equal(p.grad, g2.float())
 
 
@@ -291,23 +291,23 @@ def test_accumulate_grad_adds_into_a_user_replaced_grad():
     store, units, _ = _store()
     e = _entry(store, 1, "norm.weight")
     p = units[1][1].norm.weight
-    store.accumulate_grad(e, torch.ones(e.shape))
+    store.accumulators.accumulate(e, torch.ones(e.shape))
     mine = torch.full(e.shape, 10.0)
     p.grad = mine
-    assert not store.holds_grad(e)
-    store.accumulate_grad(e, torch.full(e.shape, 2.0, dtype=BF16))
+    assert not store.accumulators.holds(e)
+    store.accumulators.accumulate(e, torch.full(e.shape, 2.0, dtype=BF16))
     assert p.grad is mine and torch.equal(mine, torch.full(e.shape, 12.0))
-    assert torch.equal(store.grad_region(e), torch.ones(e.numel))  # the accumulator is left alone
+    assert torch.equal(store.accumulators.region(e), torch.ones(e.numel))  # the accumulator is left alone
 
 
 def test_tied_contributions_accumulate_in_the_owner_region():
     store, units, _ = _store()
     own, tied = _entry(store, 0, "weight"), _entry(store, 2, "weight")
     a, b = torch.randn(own.shape), torch.randn(own.shape)
-    store.accumulate_grad(own, a)
-    store.accumulate_grad(tied, b)
+    store.accumulators.accumulate(own, a)
+    store.accumulators.accumulate(tied, b)
     assert torch.equal(units[0][1].weight.grad, a + b)
-    assert store.holds_grad(own) and store.holds_grad(tied)
+    assert store.accumulators.holds(own) and store.accumulators.holds(tied)
 
 
 def test_unfrozen_error_names_the_parameter_and_the_fix():

@@ -64,7 +64,7 @@ def test_native_matches_torch_fused_adamw(clip):
         if e.wire == torch.bfloat16:  # the staging copy written in the same pass
             staged = engine.store.buffers[e.owner].staging_host[e.offset : e.offset + e.numel]
             assert torch.equal(staged, p.detach().reshape(-1).to(torch.bfloat16)), n
-    assert all(engine.store.staging_fresh(u) for u, b in enumerate(engine.store.buffers) if b.staging_host is not None)
+    assert all(engine.store.staging.fresh(u) for u, b in enumerate(engine.store.buffers) if b.staging_host is not None)
     for p_ref, p in zip(models[0].parameters(), models[1].parameters()):
         st_ref, st = ref_opt.state[p_ref], opt.state[p]
         assert float(st_ref["step"]) == float(st["step"])

@@ -88,5 +88,5 @@ def test_no_temporary_of_the_tables_size_on_the_cpu_path(bf16):
     assert 0 < largest < table, (largest, table)
     head, embed = model.lm_head.weight, model.model.embed_tokens.weight
     assert head.grad.abs().sum() > 0 and embed.grad.abs().sum() > 0
-    assert head.grad.data_ptr() == engine.store.grad_region(engine.store.home_of(head)[1]).data_ptr()
+    assert head.grad.data_ptr() == engine.store.accumulators.region(engine.store.home_of(head)[1]).data_ptr()
     engine.detach()
