@@ -198,7 +198,7 @@ class Engine:
             return
         from .models.chunked_loss import chunked_forward
 
-        forward = chunked_forward(base, base.forward, self.config.loss_chunk_tokens, self.head_loss,
+        forward = chunked_forward(base, base.forward, self.plan.loss.chunk_tokens, self.head_loss,
                                   lambda: self.chunked_loss_active)
         self.patcher.set_attr(base, "forward", forward)
         self.chunked_loss_installed = True
