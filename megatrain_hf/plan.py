@@ -150,6 +150,8 @@ class LossPlan:
 
 @dataclass(frozen=True)
 class TrainingPlan:
+    """Every decision of one engine, in the sections its components take (built by :func:`resolve`)."""
+
     config: MegaTrainConfig
     machine: Machine
     run: Run
