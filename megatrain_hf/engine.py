@@ -29,13 +29,12 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .errors import IncompatibleOptionsError, UsageError
 from .config import MegaTrainConfig
-from .core.grad_accumulators import resolve_grad_dtype
-from .core.grads import MAX_PENDING_SENDS, GradSink
+from .core.grads import GradSink
 from .core.ownership import LocalOwnership, ShardedOwnership
 from .core.layout import Kind
 from .core.activation_offload import CheckpointOffload
 from .core.patcher import Patcher
-from .core.sharding import sharding_from_env
+from .core.sharding import UnitSharding
 from .core.store import HostStore, alias
 from .core.streamer import Streamer
 from .core.streams import streams_for
@@ -49,9 +48,9 @@ from .models.base_quantization import quantized_weights
 from .memory.budget import GpuBudget
 from .memory import activations
 from .memory import host as host_memory
-from .memory.disk import admit_tiers
 from .memory.host import DEFAULT_HEADROOM_BYTES
 from .optim.tier_files import AttachTier
+from .plan import Machine, Run, check, resolve
 from .runtime import layer_major
 from .runtime.streamed_call import Unit, UnitRunner
 from .stats import EngineStats
@@ -64,9 +63,9 @@ class Engine:
 
     def __init__(self, model: nn.Module, config: MegaTrainConfig, device: torch.device, dtype: torch.dtype,
                  streams=None, frozen_in_wire_dtype: bool = True) -> None:
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise IncompatibleOptionsError(
-                f"device {device} was asked for but CUDA is not available; use device='cpu'.")
+        run = Run(bf16=dtype == torch.bfloat16, emulated_streams=streams is not None)
+        machine = Machine.detect(device, config.offload_dir, ram_in_use=host_memory.model_bytes([("model", model)]))
+        check(config, machine, run)  # what does not combine is refused before the model is touched
         self.model, self.config, self.device, self.compute_dtype = model, config, device, dtype
         self.patcher = Patcher(before_pickle=self.synchronize)
         self.family = family_of(model)
@@ -77,43 +76,28 @@ class Engine:
         schemes = quantized_weights(model, config.base_quantization,
                                     deferred.stored_schemes(model) if deferred is not None else None)
         quantize = (lambda p: schemes.get(id(p))) if schemes else None
-        if config.offload_dir is not None and config.device_update:
-            raise IncompatibleOptionsError(
-                f"MegaTrainConfig(offload_dir={config.offload_dir!r}) does not combine with "
-                "device_update=True (the device's share would keep the moments it pages on the GPU). "
-                "Fix: leave device_update off, or offload_dir unset.")
-        moments = config.optimizer_state if config.replace_adamw else False
-        self.sharding = sharding_from_env(len(named), config.data_parallel, config.collective_timeout_s)
-        grad_dtype = resolve_grad_dtype(config.grad_dtype, dtype, self.sharding is not None, config.device_update)
-        staging, self.state_tier = admit_tiers(named, located.embedding_units, dtype, config.host_staging,
-                                               moments, frozen_in_wire_dtype, config.offload_dir,
-                                               config.offload_state, config.check_host_memory, quantize,
-                                               masters_allowed=self.sharding is None, grad_dtype=grad_dtype,
-                                               window=config.offload_window)
+        self.plan = plan = resolve(config, machine, run, lambda compute: host_memory.unit_sizes(
+            named, compute_dtype=compute, embedding_units=located.embedding_units,
+            frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize))
+        self.sharding = UnitSharding(len(named), plan.ownership.timeout_s) if plan.ownership.sharded else None
+        self.state_tier = tiers = plan.disk.tiers
         on_unit = None  # masters on disk: each unit's go to its file as soon as the store has filled it
-        if self.state_tier.masters and moments is not False:
-            on_unit = AttachTier(config.offload_dir, self.state_tier.units, self.state_tier.masters, moments,
-                                 config.disk_io, config.offload_window)
-        self.host_threads = config.resolve_host_threads()
+        if tiers.masters and plan.optimizer.moments is not None:
+            on_unit = AttachTier(plan.disk.dir, tiers.units, tiers.masters, plan.optimizer.moments.mode, plan.disk.io,
+                                 plan.disk.window)
+        self.host_threads = plan.optimizer.threads
         self._raise_threads(self.host_threads)
         self.stats = EngineStats()
-        if self.sharding is not None and config.device_update:
-            raise IncompatibleOptionsError(
-                "megatrain: device_update=True is not supported under data parallelism (the GPU "
-                "share of the update does not know the unit owners). Fix: device_update=False, or "
-                "data_parallel=False to train each rank alone.")
-        # receive slots (data parallelism): on CUDA the unit computing + the prefetched one + one
-        # spare, and a gradient slot per send in flight; on the CPU one of each
-        slots = (3, MAX_PENDING_SENDS + 2) if (streams is not None or device.type == "cuda") else (1, 1)
-        ownership = ShardedOwnership(self.sharding, slots) if self.sharding is not None else LocalOwnership()
+        ownership = (ShardedOwnership(self.sharding, plan.transport.receive_slots) if self.sharding is not None
+                     else LocalOwnership())
         try:
-            self.store = HostStore(named, compute_dtype=dtype, pin=config.resolve_pin(device),
-                                   embedding_units=located.embedding_units, staging=staging,
+            self.store = HostStore(named, compute_dtype=dtype, pin=plan.host.pin,
+                                   embedding_units=located.embedding_units, staging=plan.host.staging,
                                    frozen_in_wire_dtype=frozen_in_wire_dtype,
                                    sources=deferred.source if deferred is not None else None, quantize=quantize,
                                    ranges=deferred.ranges if deferred is not None else None,
                                    stored_quantized=deferred.quantized_source if deferred is not None else None,
-                                   ownership=ownership, grad_dtype=grad_dtype, on_unit=on_unit)
+                                   ownership=ownership, grad_dtype=plan.precision.grads, on_unit=on_unit)
         except BaseException:
             if on_unit is not None:
                 on_unit.close()  # (the files made so far)
@@ -127,11 +111,11 @@ class Engine:
         self.streamer = Streamer(self.store, device, self.stats, self.streams)
         self.grads = GradSink(self.store, self.stats, self.streams, host_threads=self.host_threads)
         self.grad_keeper = None  # device_update: the device sums kept for the device's share of the update
-        if config.device_update:
+        if plan.optimizer.device_update:
             from .optim.device_update import KeepingGradSink
 
             self.grad_keeper = KeepingGradSink(self.grads)
-        self.budget = GpuBudget(device, config.gpu_memory_bytes(), config.offload_checkpoints,
+        self.budget = GpuBudget(device, plan.activations.gpu_budget, plan.activations.offload_checkpoints,
                                 offload=lambda: self.runner.offload, start_offload=self._start_offload,
                                 available_host=self._available_host, on_undo=self.patcher.on_undo)
         templates = TemplateCache()
@@ -143,14 +127,14 @@ class Engine:
         self.num_templates = len(templates)
         self.runner = UnitRunner(units, self.streamer, self.grads, self.stats, self.budget, device, dtype,
                                  INPUT_KWARGS, prepare_graph_call)
-        self.runner.tile_policy = activations.tile_policy(config.sequence_tile_tokens, torch.finfo(dtype).bits // 8,
+        self.runner.tile_policy = activations.tile_policy(plan.activations.tile_tokens, plan.activations.compute_bytes,
                                                           self.budget.budget)
-        self.runner.checkpoint_interval = config.checkpoint_interval
-        if config.offload_checkpoints is True:
+        self.runner.checkpoint_interval = plan.activations.checkpoint_interval
+        if plan.activations.offload_checkpoints is True:
             self._start_offload()
         self._set_flops_model(model, located)
         self._gathering = False  # gather_state_dict reads state_dict() (data parallelism)
-        self.chunked_loss_active = config.chunked_loss is True  # the integration may turn it on ("auto")
+        self.chunked_loss_active = plan.loss.chunked  # the integration may turn it on ("auto")
         self.chunked_loss_installed = False
         self._install(model)
         logger.info(
@@ -214,7 +198,7 @@ class Engine:
             return
         from .models.chunked_loss import chunked_forward
 
-        forward = chunked_forward(base, base.forward, self.config.loss_chunk_tokens, self.head_loss,
+        forward = chunked_forward(base, base.forward, self.plan.loss.chunk_tokens, self.head_loss,
                                   lambda: self.chunked_loss_active)
         self.patcher.set_attr(base, "forward", forward)
         self.chunked_loss_installed = True
@@ -351,7 +335,7 @@ class Engine:
     def _available_host(self) -> int:
         """Host RAM the offloaded checkpoints may still take; unbounded under ``check_host_memory=False``
         (the OS reports less than it grants, e.g. a VM whose RAM grows on use)."""
-        return host_memory.available_host_bytes() if self.config.check_host_memory else 1 << 62
+        return host_memory.available_host_bytes() if self.plan.host.check_ram else 1 << 62
 
     def _start_offload(self) -> None:
         self.runner.offload = CheckpointOffload(self.store.allocate, self.store.free, self._available_host,

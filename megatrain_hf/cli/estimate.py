@@ -8,7 +8,8 @@ import sys
 
 import torch
 
-from ..errors import IncompatibleOptionsError, MegatrainConfigError, UnsupportedModelError
+from ..errors import UnsupportedModelError
+from .decisions import as_dict, describe, shape_plan
 from ..models.families import FAMILIES, unsupported_message
 from ..memory import activations
 from ..memory.fit import ModelFit, largest_model, largest_preset, longest_sequence, placement
@@ -104,15 +105,17 @@ def estimate_main(argv: list[str] | None = None) -> int:
             grad_dtype=args.grad_dtype,
         )
         ranks = plan_ranks(plan, args.world_size, args.nodes, host_staging=args.host_staging)
+        if args.host_gib is not None:
+            available, source = int(args.host_gib * GiB), "given by --host-gib"
+        else:
+            available, source = available_host_bytes(), "available on this machine now"
+        disk_free, where = _disk_free(args)
+        training = shape_plan(args, shape, available, disk_free)  # the engine's refusals, its decisions
     except ValueError as exc:
         print(f"megatrain estimate: error: {exc}", file=sys.stderr)
         return 2
     if args.world_size > 1:
-        return _print_ranks(plan, ranks, args)
-    if args.host_gib is not None:
-        available, source = int(args.host_gib * GiB), "given by --host-gib"
-    else:
-        available, source = available_host_bytes(), "available on this machine now"
+        return _print_ranks(plan, ranks, args, available, source, training)
     required = plan.host_total + DEFAULT_HEADROOM_BYTES
     fits = required <= available
     # the same options as the plan: the bf16 host copy or not, the offloaded checkpoints' tokens
@@ -128,11 +131,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
     fit = largest_model(available, base=shape, **options)
     preset = largest_preset(available, **options)
     gpu_available = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
-    try:
-        disk = _disk_plan(args, shape, plan, available) if args.offload_dir or args.disk_gib else None
-    except ValueError as exc:
-        print(f"megatrain estimate: error: {exc}", file=sys.stderr)
-        return 2
+    disk = _disk_plan(args, shape, plan, available, disk_free, where) if disk_free is not None else None
     if args.json:
         print(json.dumps({
             "plan": plan.to_dict(),
@@ -147,11 +146,14 @@ def estimate_main(argv: list[str] | None = None) -> int:
             "max_layers_params": fit.deepest.params() if fit.deepest else 0,
             "widest_hidden": fit.widest.hidden if fit.widest else None,
             "disk_tier": disk,
+            "training_plan": as_dict(*training),
         }, indent=2))
         return 0
     print(_table(plan))
     print()
     print(activation_lines(plan))
+    print()
+    print(describe(*training))
     print()
     if args.chart:
         write_chart(plan, args.chart)
@@ -181,24 +183,23 @@ def estimate_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int) -> dict:
-    """The disk tier's numbers (AdamW moments on disk) for ``plan``, against RAM and free disk."""
+def _disk_free(args) -> tuple[int | None, str]:
+    """Free disk to plan the tier against: ``--disk-gib``, or ``--offload-dir``'s free space (None: no tier)."""
     from ..memory import disk
 
     if args.disk_gib is not None:
-        free, where = int(args.disk_gib * GiB), "given by --disk-gib"
-    else:
-        free, where = disk.disk_free_bytes(disk.check_offload_dir(args.offload_dir)), f"free in {args.offload_dir}"
+        return int(args.disk_gib * GiB), "given by --disk-gib"
+    if args.offload_dir is not None:
+        return disk.disk_free_bytes(disk.check_offload_dir(args.offload_dir)), f"free in {args.offload_dir}"
+    return None, ""
+
+
+def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int, free: int, where: str) -> dict:
+    """The disk tier's numbers (AdamW moments on disk) for ``plan``, against RAM and free disk (the options
+    were checked by the training plan: ``cli/decisions.py``)."""
+    from ..memory import disk
+
     masters = args.offload_state == "all"
-    if masters and (plan.compute_dtype == "fp32" or args.host_staging is False):
-        raise IncompatibleOptionsError(
-            "--offload-state all puts the fp32 masters on disk, which needs the bf16 staging copy "
-            "that the device streams instead of them. Fix: --dtype bf16 without "
-            "--no-host-staging, or --offload-state moments.")
-    if args.offload_window < 2:
-        raise MegatrainConfigError(
-            f"--offload-window {args.offload_window}: must be >= 2 (the unit updating and the one "
-            "written back behind it). Fix: --offload-window 4, the default.")
     tier = disk.shape_tier(shape, plan.compute_dtype, args.lora_rank, window=args.offload_window,
                            optimizer_state=plan.optimizer_state, masters=masters)
     ram = disk.ram_with_tier(plan, tier)
@@ -248,20 +249,19 @@ def _disk_table(d: dict) -> str:
         f"  largest depth that fits RAM + disk: {d['max_layers']} layers = {format_count(d['max_layers_params'])} "
         "params",
     ])
-def _print_ranks(plan: MemoryPlan, ranks, args) -> int:
+def _print_ranks(plan: MemoryPlan, ranks, args, available: int, source: str, training) -> int:
     """Data parallelism: the single-GPU plan, then host RAM per rank and host and what one host has."""
-    if args.host_gib is not None:
-        available, source = int(args.host_gib * GiB), "given by --host-gib"
-    else:
-        available, source = available_host_bytes(), "available on this machine now"
     need = max(ranks.host_bytes) + DEFAULT_HEADROOM_BYTES
     if args.json:
         print(json.dumps({"plan": plan.to_dict(), "ranks": ranks.to_dict(), "host_available_bytes": available,
-                          "host_required_bytes": need, "fits_host": need <= available}, indent=2))
+                          "host_required_bytes": need, "fits_host": need <= available,
+                          "training_plan": as_dict(*training)}, indent=2))
         return 0
     print(_table(plan))
     print()
     print(ranks.table())
+    print()
+    print(describe(*training))
     verdict = "fits" if need <= available else "does NOT fit"
     print(f"host RAM {source}: {_gib(available)} GiB per host; the fullest host {_gib(max(ranks.host_bytes))} + "
           f"headroom {_gib(DEFAULT_HEADROOM_BYTES)} = {_gib(need)} GiB -> {verdict}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import IncompatibleOptionsError, UsageError
+from ..errors import UsageError
 from .layout import Entry
 
 BF16_FIX = "Fix: MegaTrainConfig(grad_dtype='fp32') (the default), which accumulates any gradient exactly."
@@ -33,23 +33,6 @@ def low_precision_units(n_units: int, grad_dtype: torch.dtype) -> frozenset[int]
 def grad_bytes(n_train: int, n_staged: int, low: bool) -> int:
     """Host bytes of one unit's accumulators (``low``: its staged part in bf16)."""
     return 2 * n_staged + 4 * (n_train - n_staged) if low else 4 * n_train
-
-
-def resolve_grad_dtype(grad_dtype: str, compute_dtype: torch.dtype, distributed: bool,
-                       device_update: bool) -> torch.dtype:
-    """``MegaTrainConfig.grad_dtype`` as a dtype, refused (with the reason and the fix) where it is not exact."""
-    if grad_dtype == "fp32":
-        return torch.float32
-    why = ("compute is fp32 (the device's gradients are fp32)" if compute_dtype != torch.bfloat16 else
-           "data parallelism sums the ranks' gradients" if distributed else
-           "device_update keeps fp32 gradients on the device" if device_update else
-           f"this torch ({torch.__version__}) has no Tensor.grad_dtype (torch >= 2.10 has)"
-           if not hasattr(torch.Tensor, "grad_dtype") else None)
-    if why is not None:
-        raise IncompatibleOptionsError(
-            f"MegaTrainConfig(grad_dtype={grad_dtype!r}) keeps the one bf16 gradient a bf16 weight gets "
-            f"per step, but {why}. {BF16_FIX}")
-    return torch.bfloat16
 
 
 class GradAccumulators:

@@ -25,7 +25,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveError, IncompatibleOptionsError
+from ..errors import CollectiveError
 from . import host_pages
 
 logger = logging.getLogger(__name__)
@@ -186,19 +186,3 @@ class ReceiveSlots:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.masters, *self.grads, *self.staging))
-
-
-def sharding_from_env(num_units: int, enabled, timeout_s: float) -> UnitSharding | None:
-    """A :class:`UnitSharding` when torch.distributed runs with more than one rank (``enabled``: True,
-    False or "auto"), else None."""
-    if enabled is False:
-        return None
-    running = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if not running:
-        if enabled is True:
-            raise IncompatibleOptionsError(
-                "megatrain: data_parallel=True but torch.distributed is not initialised with more "
-                "than one rank. Fix: launch with torchrun / accelerate launch --num_processes N, "
-                "or data_parallel='auto'.")
-        return None
-    return UnitSharding(num_units, timeout_s)

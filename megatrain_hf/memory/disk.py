@@ -1,27 +1,25 @@
-"""The disk tier in the plan: where the optimizer state goes, and the refusal before allocating.
+"""The disk tier's arithmetic: where the optimizer state goes, and the refusal when RAM + disk are short.
 
 :func:`tier_bytes` is the arithmetic (disk bytes, RAM window, bytes read and written per optimizer
-step) shared by the engine's admission and ``megatrain estimate``; :func:`admit_tiers` settles
-``offload_state`` against this machine's RAM and ``offload_dir``'s free space (``shutil.disk_usage``)
-and raises with the numbers when even RAM + disk are short.
+step) shared by the training plan (``megatrain_hf/plan.py``) and ``megatrain estimate``;
+:func:`place_tiers` settles ``offload_state`` against the machine's RAM and ``offload_dir``'s free
+space (``shutil.disk_usage``) and raises with the numbers when even RAM + disk are short.
 """
 
 from __future__ import annotations
 
-import logging
 import shutil
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import DiskSpaceError, IncompatibleOptionsError
+from ..errors import DiskSpaceError
 from ..core.disk_io import ALIGN, align_up, check_offload_dir, remove_stale_run_dirs
 from ..core.layout import UnitSizes
 from .host_tiers import moment_bytes, moment_parts
 from . import host as host_memory
 from .host import GiB, gib
 
-logger = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 4
 """RAM slots of the disk tier (the unit updating, one written back behind it, two read ahead); the
@@ -88,63 +86,46 @@ def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
     )
 
 
-def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
-                host_staging: bool | str, optimizer_state: bool | str, frozen_in_wire_dtype: bool,
-                offload_dir: str | None, offload_state: str, check_ram: bool, quantize=None,
-                masters_allowed: bool = True, grad_dtype: torch.dtype = torch.float32,
+def place_tiers(sizes: list[UnitSizes], compute_dtype: torch.dtype, host_staging: bool | str,
+                moments: str | None, offload_dir: str | None, offload_state: str, ram: int | None,
+                disk_free: int | None, masters_possible: bool, grad_dtype: torch.dtype = torch.float32,
                 window: int = DEFAULT_WINDOW) -> tuple[bool, DiskTier]:
-    """The engine's admission with the disk tier: (keep the staging copy, the state's placement).
+    """Where the optimizer state of units laid out as ``sizes`` goes: (keep the staging copy, the tier).
 
-    ``offload_state="auto"``: the moments stay in RAM when the plan fits there, else the fewest units'
-    moments go to disk (the last units in update order first) that make it fit, then, if even every
-    unit's moments on disk leave RAM short, the staged fp32 masters of the fewest units too (where
-    they can go: bf16 compute with the staging copy, ``masters_allowed``, i.e. no data parallelism);
-    ``"moments"``: every unit's moments on disk whatever RAM there is; ``"all"``: every unit's moments
-    and staged masters (refused where the device streams the masters themselves). Without
-    ``offload_dir``: RAM (``host.admit``). ``optimizer_state``: the moments' format (False: no HostAdamW
-    state; True: fp32), paged in that format. ``quantize``: the quantized base's schemes
-    (``host.host_breakdown_for_units``); ``window``: the tier's RAM slots.
+    The arithmetic of the training plan's placement (``megatrain_hf/plan.py`` decides which options
+    combine and refuses the others before this runs). ``moments``: HostAdamW's moment format (None: no
+    HostAdamW state); ``ram``: the RAM to plan against (None: ``check_host_memory=False``, not checked);
+    ``disk_free``: ``offload_dir``'s free bytes (None: measured here). ``offload_state="auto"``: the
+    moments stay in RAM when the plan fits there, else the fewest units' moments go to disk (the last
+    units in update order first) that make it fit, then, if even every unit's moments on disk leave RAM
+    short, the staged fp32 masters of the fewest units too (where ``masters_possible``); ``"moments"``:
+    every unit's moments on disk whatever RAM there is; ``"all"``: every unit's moments and staged
+    masters. Raises ``HostMemoryError`` / ``DiskSpaceError`` with the arithmetic when RAM + disk are short.
     """
-    staging_default = host_staging is not False
-    masters_possible = compute_dtype != torch.float32 and host_staging is not False and masters_allowed
-    if offload_dir is not None and offload_state == "all" and not masters_possible:
-        raise IncompatibleOptionsError(
-            f"offload_state='all' puts the fp32 masters on disk, which needs the bf16 staging copy that the device "
-            f"streams instead of them; here {'compute is fp32' if compute_dtype == torch.float32 else 'host_staging=False' if host_staging is False else 'data parallelism broadcasts the masters from RAM'}"
-            ", so the device reads the masters themselves. Fix: bf16 compute (bf16=True or compute_dtype='bf16') "
-            "with host_staging=True or 'auto' and one process, or offload_state='moments'.")
+    def admit(state: bool | str, extra: dict | None = None, staging=host_staging) -> bool:
+        return host_memory.admit(sizes, compute_dtype, staging, state, ram, extra=extra, grad_dtype=grad_dtype)
 
-    def ram(moments: bool | str, extra: dict | None = None, staging=host_staging) -> bool:
-        if not check_ram:
-            return staging is not False and staging_default
-        return host_memory.admit(units, embedding_units, compute_dtype, staging, moments,
-                                 frozen_in_wire_dtype, quantize, extra=extra, grad_dtype=grad_dtype)
-
-    if offload_dir is None or optimizer_state is False:
-        return ram(optimizer_state), DiskTier(False)
-    state = "fp32" if optimizer_state is True else optimizer_state
-    check_offload_dir(offload_dir)
+    if offload_dir is None or moments is None:
+        return admit(moments or False), DiskTier(False)
     if offload_state == "auto":
         try:
-            return ram(state), DiskTier(False)
+            return admit(moments), DiskTier(False)
         except MemoryError:
             pass
-    sizes = host_memory.unit_sizes(units, compute_dtype=compute_dtype, embedding_units=embedding_units,
-                                   frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize)
     with_state = [u for u, s in enumerate(sizes) if s.n_train]
     with_masters = [u for u in with_state if sizes[u].n_staged]
     masters_total = 4 * sum(s.n_train for s in sizes)
 
     def split(k: int, m: int = 0) -> tuple[DiskTier, dict]:  # the last k units' moments, the last m's masters
-        tier = tier_bytes(sizes, window, units=with_state[len(with_state) - k:], optimizer_state=state,
+        tier = tier_bytes(sizes, window, units=with_state[len(with_state) - k:], optimizer_state=moments,
                           masters=with_masters[len(with_masters) - m:] if m else ())
-        kept = sum(2 * moment_bytes(sizes[u], state) for u in with_state[: len(with_state) - k])
+        kept = sum(2 * moment_bytes(sizes[u], moments) for u in with_state[: len(with_state) - k])
         extra = {"disk_slots": tier.ram_bytes, "moments_in_ram": kept}
         return tier, extra | ({"master": masters_total - tier.master_bytes} if m else {})
 
     def fits(k: int, m: int) -> bool:
         try:
-            ram(False, split(k, m)[1], staging=True if m else host_staging)
+            admit(False, split(k, m)[1], staging=True if m else host_staging)
             return True
         except MemoryError:
             return False
@@ -157,19 +138,14 @@ def admit_tiers(units: list[tuple[str, torch.nn.Module]], embedding_units: froze
         return hi
 
     k, m = len(with_state), len(with_masters) if offload_state == "all" else 0
-    if offload_state == "auto" and check_ram:
+    if offload_state == "auto" and ram is not None:
         if fits(k, 0) or not (masters_possible and with_masters):
             k = fewest(k, lambda i: fits(i, 0))  # (the full split raises below with its arithmetic if short)
         else:
             m = fewest(len(with_masters), lambda j: fits(k, j))
     tier, extra = split(k, m)
-    check_disk(offload_dir, tier.disk_bytes)
-    staging = ram(False, extra, staging=True if m else host_staging)
-    logger.info("megatrain: AdamW moments (%s) of %d of %d units and the fp32 masters of %d on disk (offload_dir=%s, "
-                "offload_state=%r): %.2f GiB on disk, %.2f GiB of RAM slots, %.2f GiB read and written per optimizer "
-                "step", state, k, len(with_state), m, offload_dir, offload_state, tier.disk_bytes / GiB,
-                tier.ram_bytes / GiB, tier.written_per_step / GiB)
-    return staging, tier
+    check_disk(offload_dir, tier.disk_bytes, disk_free)
+    return admit(False, extra, staging=True if m else host_staging), tier
 
 
 # ---------------------------------------------------------------------------------- planning from a shape

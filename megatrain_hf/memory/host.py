@@ -1,9 +1,9 @@
 """Host RAM before allocating: what a model's units need, what is available, and the refusal.
 
 :func:`host_breakdown_for_units` counts the real modules exactly as the host store will lay them
-out (``core/layout.py``), :func:`check_host_memory` raises ``MemoryError`` with the arithmetic and
-the fix, and :func:`admit` is the engine's admission check, which also settles
-``host_staging="auto"``.
+out (``core/layout.py``), :func:`check_host_memory` raises ``HostMemoryError`` with the arithmetic and
+the fix, and :func:`admit` is the admission check of the training plan (``megatrain_hf/plan.py``),
+which also settles ``host_staging="auto"``.
 """
 
 from __future__ import annotations
@@ -153,25 +153,29 @@ def check_host_memory(
     raise HostMemoryError(message)
 
 
-def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
-          host_staging: bool | str, optimizer_state: bool | str, frozen_in_wire_dtype: bool = True,
-          quantize=None, extra: dict[str, int] | None = None, grad_dtype: torch.dtype = torch.float32) -> bool:
+def model_bytes(units: list[tuple[str, torch.nn.Module]]) -> int:
+    """Bytes the model's tensors hold now: released as they move into the store, so the admission counts
+    them as available (each storage once; a weight not read from its checkpoint yet holds one element)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for _, m in units for p in m.parameters()}
+    return sum(storages.values())
+
+
+def admit(sizes: list[UnitSizes], compute_dtype: torch.dtype, host_staging: bool | str, optimizer_state: bool | str,
+          available: int | None, extra: dict[str, int] | None = None,
+          grad_dtype: torch.dtype = torch.float32) -> bool:
     """Raise with the arithmetic before allocating, rather than meet the OOM killer later.
 
-    Returns whether to keep the host staging copy: with ``host_staging="auto"`` it is dropped when
-    that is what makes the plan fit. ``extra``: further host tiers (label -> bytes) to count.
+    ``sizes``: the units as the store lays them out (:func:`unit_sizes`); ``available``: the RAM to plan
+    against (None: not checked, ``check_host_memory=False``). Returns whether to keep the host staging
+    copy: with ``host_staging="auto"`` it is dropped when that is what makes the plan fit (the training
+    plan records it). ``extra``: further host tiers (label -> bytes) to count.
     """
-    # The model's current tensors are released as they move into the store: count their storages
-    # (once each; a weight not read from its checkpoint yet holds one element)
-    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for _, m in units for p in m.parameters()}
-    current = sum(storages.values())
-    available = available_host_bytes() + current
+    if available is None:
+        return host_staging is not False
 
     def check(staging: bool) -> None:
-        breakdown = host_breakdown_for_units(units, compute_dtype=compute_dtype, staging=staging,
-                                             embedding_units=embedding_units, optimizer_state=optimizer_state,
-                                             frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize,
-                                             grad_dtype=grad_dtype) | (extra or {})
+        breakdown = host_tiers(sizes, compute_dtype, staging=staging, optimizer_state=optimizer_state,
+                               grad_dtype=grad_dtype) | (extra or {})
         check_host_memory(sum(breakdown.values()), breakdown, available=available)
 
     if host_staging is False:
@@ -184,8 +188,4 @@ def admit(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[i
         if host_staging is True or compute_dtype == torch.float32:
             raise
         check(False)  # raises (with the smaller plan's arithmetic) if even that does not fit
-        logger.info(
-            "megatrain: host_staging='auto' drops the bf16 host copy of the weights (2 B/param) so that "
-            "the plan fits this machine's RAM; the fp32 masters are sent and rounded on the GPU"
-        )
         return False

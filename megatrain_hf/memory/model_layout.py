@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-from ..core.layout import TensorSpec, aligned, lay_out, wire_dtype
+from ..core.layout import TensorSpec, UnitSizes, aligned, lay_out, wire_dtype
 from .host_tiers import host_tiers
 from ..core.frozen_formats import quant_format
 from .shapes import ModelShape
@@ -105,3 +105,10 @@ def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_stagi
                       optimizer_state=optimizer_state, grad_dtype=grad_dtype)
 
 
+
+
+def shape_sizes(shape: ModelShape, compute_dtype: torch.dtype, lora_rank: int | None = None,
+                base_quantization: str = "none") -> list[UnitSizes]:
+    """Each unit's flats of a model of ``shape`` as the host store would lay them out: the training plan's
+    layout input where there is no model (``megatrain estimate``)."""
+    return [lay_out(u.specs(compute_dtype)) for u in _layout(shape, lora_rank, LORA_TARGETS, base_quantization)]

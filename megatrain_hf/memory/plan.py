@@ -262,7 +262,7 @@ def plan_memory(
     in flight (the one going down, the one coming back up). ``sequence_tile_tokens`` and
     ``checkpoint_interval``: the options of the same names (``activations.py``). ``grad_dtype``:
     ``"fp32"`` or ``"bf16"`` (``MegaTrainConfig.grad_dtype``: the layers' matrices' accumulators in bf16;
-    needs bf16 compute and ``grad_accum=1``).
+    which options it needs is the training plan's rule, ``megatrain_hf/plan.py``).
     """
     _check_int("seq_len", seq_len)
     _check_int("micro_batch", micro_batch)
@@ -296,10 +296,6 @@ def plan_memory(
             f"optimizer_state={optimizer_state!r} is not known; allowed: {list(MOMENT_FORMATS)}.")
     if grad_dtype not in ("fp32", "bf16"):
         raise MegatrainConfigError(f"grad_dtype={grad_dtype!r} is not known; allowed: 'fp32', 'bf16'.")
-    if grad_dtype == "bf16" and (cbytes != 2 or grad_accum != 1):
-        raise IncompatibleOptionsError(
-            f"grad_dtype='bf16' keeps one bf16 gradient per weight and step; it needs bf16 compute and "
-            f"grad_accum=1 (here {dtype_name}, grad_accum={grad_accum}). Fix: grad_dtype='fp32'.")
     tiers = _host_tiers(units, dtype, host_staging, optimizer_state,
                         torch.bfloat16 if grad_dtype == "bf16" else torch.float32)
 

@@ -326,7 +326,8 @@ def fill_state_dict(optimizer, out: dict) -> None:
 def master_units(store, units, offload_masters) -> list[int]:
     """The units of ``units`` (paged) whose staged masters go to disk too: ``offload_masters`` True (all of
     them) or a collection of units; those without staged masters (embedding, norms, LoRA) keep theirs in RAM.
-    Refused where the staging copy, which the device streams instead of the masters, is missing."""
+    Refused where the store has no staging copy for the device to stream instead of the masters (a
+    ``HostAdamW(offload_masters=...)`` built by hand; the engine's plan refuses such options before)."""
     if not offload_masters:
         return []
     if not store.staging.enabled:
@@ -335,14 +336,10 @@ def master_units(store, units, offload_masters) -> list[int]:
             "which the device streams instead of the masters; this store has none (fp32 compute, or "
             "host_staging=False, streams the masters themselves). Fix: bf16 compute (bf16=True / compute_dtype="
             "'bf16') with host_staging=True or 'auto', or offload_state='moments'.")
-    chosen = [u for u in sorted(units) if (offload_masters is True or u in offload_masters)
-              and store.buffers[u].n_staged]
-    if chosen and store.ownership.world_size > 1:
-        raise IncompatibleOptionsError(
-            "megatrain: the fp32 masters on disk (offload_state='all') do not combine with data "
-            "parallelism (each unit's owner broadcasts its masters from RAM). Fix: "
-            "offload_state='moments', or data_parallel=False.")
-    return chosen
+    if store.ownership.world_size > 1:  # megatrain_hf/plan.py refuses offload_state='all' with data parallelism
+        raise RuntimeError("megatrain: masters on disk requested of a store sharded over ranks (the owners "
+                           "broadcast their masters from RAM); build HostAdamW through the engine's plan")
+    return [u for u in sorted(units) if (offload_masters is True or u in offload_masters) and store.buffers[u].n_staged]
 
 
 def move_masters(pager: PagedState, store, units: list[int]) -> None:

@@ -221,10 +221,10 @@ def test_masters_on_disk_without_a_staging_copy_are_refused(tmp_path, options, w
 
 
 def test_masters_on_disk_refused_by_hand_where_they_cannot_be(tmp_path):
-    """HostAdamW(offload_masters=True) on a store without a staging copy, and the admission under data
+    """HostAdamW(offload_masters=True) on a store without a staging copy, and the plan under data
     parallelism (masters broadcast from RAM), refuse with the fix."""
     from megatrain_hf import HostAdamW, attach
-    from megatrain_hf.memory.disk import admit_tiers
+    from megatrain_hf.plan import Machine, Run, check
 
     (tmp_path / "d").mkdir()
     model = tiny_model("llama")
@@ -232,11 +232,10 @@ def test_masters_on_disk_refused_by_hand_where_they_cannot_be(tmp_path):
     with pytest.raises(IncompatibleOptionsError, match=r"need the bf16 staging copy(.|\n)*Fix: bf16 compute"):
         HostAdamW(model.parameters(), engine.store, offload_dir=str(tmp_path / "d"), offload_masters=True)
     assert os.listdir(tmp_path / "d") == []  # refused before creating anything
-    units = list(zip(*_located(tiny_model("llama"))))
+    config = MegaTrainConfig(offload_dir=str(tmp_path / "d"), offload_state="all")
     with pytest.raises(IncompatibleOptionsError,
                        match=r"data parallelism broadcasts the masters(.|\n)*offload_state='moments'"):
-        admit_tiers(units, frozenset({0}), torch.bfloat16, "auto", True, True, str(tmp_path / "d"), "all", True,
-                    masters_allowed=False)
+        check(config, Machine(torch.device("cpu"), world_size=2), Run(bf16=True))
 
 
 def _located(model):

@@ -9,14 +9,16 @@ not be exact is refused or raises with the fix.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tests.helpers import assert_same_state, state_of, tiny_model, train, training_args
 
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
-from megatrain_hf.core.grad_accumulators import resolve_grad_dtype
 from megatrain_hf.memory.host import host_breakdown_for_units
 from megatrain_hf.optim import native
+from megatrain_hf.plan import Machine, Run, check
 from megatrain_hf.errors import IncompatibleOptionsError, MegatrainConfigError, UsageError
 
 NO_NATIVE = pytest.mark.skipif(native.host_adamw() is None, reason="no C++ compiler")
@@ -103,10 +105,10 @@ def test_refused_where_it_would_not_be_exact(tmp_path):
         _run(tmp_path, "ga", dict(grad_dtype="bf16"), gradient_accumulation_steps=2)
     with pytest.raises(IncompatibleOptionsError, match=r"grad_dtype='bf16'.*compute is fp32.*grad_dtype='fp32'"):
         _run(tmp_path, "fp32", dict(grad_dtype="bf16"), bf16=False)
-    for why, kwargs in [("data parallelism", dict(distributed=True, device_update=False)),
-                        ("device_update", dict(distributed=False, device_update=True))]:
+    for why, world, device_update in [("data parallelism", 2, False), ("device_update", 1, True)]:
         with pytest.raises(IncompatibleOptionsError, match=why):
-            resolve_grad_dtype("bf16", torch.bfloat16, **kwargs)
+            check(MegaTrainConfig(grad_dtype="bf16", device_update=device_update),
+                  Machine(torch.device("cpu"), world_size=world), Run(bf16=True))
     with pytest.raises(IncompatibleOptionsError,
                        match=r"grad_dtype='bf16' applies to megatrain's HostAdamW, but the optim"):
         _run(tmp_path, "sgd", dict(grad_dtype="bf16"), optim="sgd")
@@ -179,6 +181,14 @@ def test_the_shape_plan_counts_two_bytes_per_layer_matrix_parameter():
     assert fp32.host_grad - bf16.host_grad == 2 * layer_matrices
     assert {k: v for k, v in fp32.host_breakdown().items() if k != "grad"} == \
         {k: v for k, v in bf16.host_breakdown().items() if k != "grad"}
-    for bad in (dict(grad_accum=2), dict(compute_dtype="fp32")):
-        with pytest.raises(IncompatibleOptionsError, match="grad_dtype='bf16'.*Fix: grad_dtype='fp32'"):
-            plan_memory(shape, seq_len=4096, micro_batch=1, grad_dtype="bf16", **bad)
+
+
+
+def test_the_estimate_refuses_what_the_engine_refuses(capsys):
+    """`megatrain estimate --grad-dtype bf16` with accumulation or fp32 compute: the training plan's refusal."""
+    from megatrain_hf.cli.estimate import estimate_main
+
+    for bad, why in ((["--grad-accum", "2"], "gradient_accumulation_steps=2 .* adds several"),
+                     (["--dtype", "fp32"], "compute is fp32")):
+        assert estimate_main(["--model", "llama-7b", "--grad-dtype", "bf16", *bad]) == 2
+        assert re.search(rf"grad_dtype='bf16'.*{why}.*grad_dtype='fp32'", capsys.readouterr().err)

@@ -1,7 +1,7 @@
 """The package's shape: imports run one way, and the architecture page's file table names exactly the
 modules of the tree (the structure's smells: tests/repo/test_structure.py).
 
-Layers (docs/architecture.md): cli, bench, run -> integrations -> engine, config, stats,
+Layers (docs/architecture.md): cli, bench, run -> integrations -> engine, plan, config, stats,
 -> runtime, optim, memory, models (never one another) -> core (torch only); errors (the typed
 exceptions, no imports) below them all.
 """
@@ -28,11 +28,12 @@ ALLOWED = {
     "models": {"core"},
     "stats": set(),
     "config": {"runtime", "optim", "memory", "models"},  # the option classes, owned by their components
-    "engine": {"core", "runtime", "optim", "memory", "models", "config", "stats"},
-    "integrations": {"core", "runtime", "optim", "memory", "models", "config", "stats", "engine"},
+    "plan": {"core", "optim", "memory", "config"},  # the engine's layer: decides from the options and the machine
+    "engine": {"core", "runtime", "optim", "memory", "models", "config", "stats", "plan"},
+    "integrations": {"core", "runtime", "optim", "memory", "models", "config", "stats", "engine", "plan"},
     "package": {"config", "engine", "stats"},  # megatrain_hf/__init__.py (the rest lazily, by name)
     "run": {"config", "integrations"},
-    "cli": {"config", "memory", "models", "bench", "package"},
+    "cli": {"config", "memory", "models", "bench", "package", "plan"},
     "bench": {"config", "memory", "stats", "engine", "integrations", "package"},
 }
 THIRD_PARTY_FORBIDDEN = {  # group -> top-level packages it must not import
@@ -42,6 +43,7 @@ THIRD_PARTY_FORBIDDEN = {  # group -> top-level packages it must not import
     "memory": {"accelerate", "peft", "trl"},
     "models": {"accelerate", "trl"},
     "engine": {"accelerate", "trl"},
+    "plan": {"transformers", "accelerate", "peft", "trl"},
     "config": {"transformers", "accelerate", "peft", "trl"},
     "stats": {"transformers", "accelerate", "peft", "trl"},
 }

@@ -7,7 +7,8 @@ would otherwise do to such a model, per instance:
   ``DistributedDataParallel`` wrapper: the engine sums the gradients into their owners itself, and
   accelerate's check of device-mapped models does not apply); Trainer's distributed sampler,
   ``gradient_accumulation_steps``, logging on rank 0 and its loss scaling are Trainer's own.
-* ``create_optimizer``: only HostAdamW knows which rank owns which unit; another optimizer is refused.
+* ``create_optimizer``: only HostAdamW knows which rank owns which unit; another optimizer is refused
+  (the plan's rule, checked by ``overrides.py`` when the Trainer builds its optimizer).
 * ``save_model``: every rank takes part; rank 0 receives the other ranks' units one by one and
   writes one ``save_pretrained`` folder (loadable by plain ``from_pretrained``).
 * ``_save_checkpoint``: every rank writes into the same staging folder (its optimizer shards and its
@@ -20,9 +21,7 @@ import logging
 
 import torch
 
-from ...errors import IncompatibleOptionsError
 from ...core.patcher import Patcher
-from ...optim.host_adamw import HostAdamW
 
 logger = logging.getLogger(__name__)
 
@@ -42,20 +41,6 @@ def install(patcher: Patcher, plugin, trainer) -> None:
         return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     patcher.set_attr(accelerator, "prepare_model", prepare_model_dp)
-
-    create_optimizer = trainer.create_optimizer
-
-    def create_optimizer_dp(model=None):
-        optimizer = create_optimizer(model) if model is not None else create_optimizer()
-        if not isinstance(getattr(optimizer, "optimizer", optimizer), HostAdamW):
-            raise IncompatibleOptionsError(
-                f"megatrain data parallelism over {engine.sharding.world_size} ranks needs its HostAdamW (each "
-                f"rank updates the units it owns), but the optimizer is {type(optimizer).__name__}. Fix: "
-                "optim='adamw_torch_fused' (or 'adamw_torch') and no optimizers=(...) argument, or run one process."
-            )
-        return optimizer
-
-    patcher.set_attr(trainer, "create_optimizer", create_optimizer_dp)
 
     save = trainer._save
 

@@ -28,9 +28,11 @@ import logging
 import torch
 from transformers import Trainer
 
-from ...errors import IncompatibleOptionsError, TrainingDataError
+from ...errors import TrainingDataError
 from ...core.patcher import Patcher
 from ...optim.host_adamw import HostAdamW, convertible
+from ...plan import OptimizerChoice, Run
+from ...plan import check as check_plan
 from . import saving as checkpoints
 from . import distributed
 from . import layer_major
@@ -58,7 +60,7 @@ def _install_optimizer(patcher: Patcher, plugin, trainer) -> None:
     def create_optimizer(model=None):
         supplied = trainer.optimizer is not None  # Trainer(optimizers=(opt, ...)) set it in __init__
         optimizer = original(model) if model is not None else original()
-        _check_compressible(plugin.config, optimizer, supplied and trainer.lr_scheduler is not None)
+        _check_compressible(plugin, optimizer, supplied and trainer.lr_scheduler is not None)
         if not plugin.config.replace_adamw or not convertible(optimizer):
             return optimizer
         if supplied and trainer.lr_scheduler is not None:
@@ -74,46 +76,30 @@ def _install_optimizer(patcher: Patcher, plugin, trainer) -> None:
     patcher.set_attr(trainer, "create_optimizer", create_optimizer)
 
 
-def _check_compressible(config, optimizer: torch.optim.Optimizer, kept: bool) -> None:
-    """Compressed moments and the disk tier exist only in HostAdamW: refuse a setup where it would not run."""
-    state = config.optimizer_state
-    wants = [f"optimizer_state={state!r}"] if state != "fp32" else []
-    if config.offload_dir is not None:
-        wants.append(f"offload_dir={config.offload_dir!r}")
-    if config.grad_dtype != "fp32":
-        wants.append(f"grad_dtype={config.grad_dtype!r}")
-    if not wants:
-        return
-    if not convertible(optimizer) or not config.replace_adamw or kept:
-        why = (f"the optimizer is {type(optimizer).__name__}" if not convertible(optimizer) else
-               "replace_adamw=False keeps torch's AdamW" if not config.replace_adamw else
-               "an optimizer passed with its scheduler in Trainer(optimizers=(opt, sched)) is kept as it is")
-        raise IncompatibleOptionsError(
-            f"megatrain: {' and '.join(wants)} applies to megatrain's HostAdamW, but {why}. "
-            "Fix: train with AdamW (optim='adamw_torch_fused', the default, or 'adamw_torch'; no scheduler in "
-            "optimizers=) and replace_adamw=True, or leave " + " and ".join(w.split("=")[0] for w in wants)
-            + " at its default."
-        )
-    if config.device_update and state != "fp32":
-        raise IncompatibleOptionsError(
-            f"megatrain: optimizer_state={state!r} cannot be combined with device_update=True (the device's "
-            "share updates fp32 moments). Fix: set device_update=False or optimizer_state='fp32'."
-        )
+def _check_compressible(plugin, optimizer: torch.optim.Optimizer, kept: bool) -> None:
+    """Compressed moments, the disk tier and bf16 gradients exist only in HostAdamW, and data parallelism
+    needs it: refuse (``megatrain_hf/plan.py``'s rules) a setup where it would not run."""
+    choice = OptimizerChoice(type(optimizer).__name__, convertible(optimizer), kept, isinstance(optimizer, HostAdamW))
+    if plugin.engine is not None:
+        plugin.engine.plan.check(optimizer=choice)
+    else:
+        check_plan(plugin.config, run=Run(optimizer=choice))
 
 
 def _host_optimizer(plugin, optimizer: torch.optim.Optimizer) -> HostAdamW:
-    engine, config = plugin.engine, plugin.config
-    kwargs = dict(host_threads=engine.host_threads, kernel=config.resolve_host_adamw_kernel(engine.device),
-                  device=engine.device, state=config.optimizer_state)
-    if engine.state_tier.on_disk:  # the engine's plan put the moments on disk (offload_dir)
-        kwargs.update(offload_dir=config.offload_dir, offload_units=engine.state_tier.units,
-                      offload_masters=engine.state_tier.masters, disk_io=config.disk_io,
-                      offload_window=config.offload_window)
-    if config.device_update:
+    engine = plugin.engine
+    plan = engine.plan
+    kwargs = dict(host_threads=plan.optimizer.threads, kernel=plan.optimizer.kernel, device=engine.device,
+                  state=plan.optimizer.moments.mode)
+    tiers = plan.disk.tiers
+    if tiers.on_disk:  # the plan put the moments (and masters) of these units on disk (offload_dir)
+        kwargs.update(offload_dir=plan.disk.dir, offload_units=tiers.units, offload_masters=tiers.masters,
+                      disk_io=plan.disk.io, offload_window=plan.disk.window)
+    if plan.optimizer.device_update:
         from ...optim.device_update import DeviceShareAdamW
 
         # the device's units keep their gradients on the GPU, unless a GPU budget has no room planned for them
-        sink = engine.grad_keeper if engine.budget.budget is None else None
+        sink = engine.grad_keeper if plan.optimizer.device_keeps_grads else None
         return DeviceShareAdamW.from_optimizer(optimizer, engine.store, grad_sink=sink, stats=engine.stats, **kwargs)
     return HostAdamW.from_optimizer(optimizer, engine.store, **kwargs)
 

@@ -32,6 +32,7 @@ from ...errors import IncompatibleOptionsError, MegatrainConfigError
 from ...config import MegaTrainConfig
 from ...core.patcher import Patcher
 from ...engine import Engine, attach, engine_of
+from ...plan import Run, check
 from ...stats import Metrics
 from . import overrides
 from .saving import host_adamw
@@ -96,12 +97,7 @@ class MegaTrainPlugin(TrainerCallback):
                 "TrainingArguments(torch_compile=True) compiles the whole model, which megatrain streams "
                 "layer by layer. Unset torch_compile."
             )
-        if self.config.grad_dtype != "fp32" and args.gradient_accumulation_steps > 1:
-            raise IncompatibleOptionsError(
-                f"MegaTrainConfig(grad_dtype={self.config.grad_dtype!r}) keeps one bf16 gradient per weight and step, "
-                f"but TrainingArguments(gradient_accumulation_steps={args.gradient_accumulation_steps}) adds several. "
-                "Fix: gradient_accumulation_steps=1 (a larger per_device_train_batch_size for the same batch), "
-                "or grad_dtype='fp32'.")
+        check(self.config, run=Run(bf16=bool(args.bf16), grad_accum=args.gradient_accumulation_steps))
         if getattr(args, "n_gpu", 1) > 1:
             logger.info("megatrain drives one GPU per process; not using DataParallel over %d GPUs", args.n_gpu)
             args._n_gpu = 1

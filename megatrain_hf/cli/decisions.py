@@ -1,0 +1,108 @@
+"""``megatrain estimate``'s decisions: the engine's training plan (``megatrain_hf/plan.py``) of a shape.
+
+The estimate's flags become a ``MegaTrainConfig`` and a :class:`~megatrain_hf.plan.Machine` (a CUDA
+device, ``--world-size`` ranks, ``--host-gib`` or this machine's RAM, ``--disk-gib`` or
+``--offload-dir``'s free space); the units' layout comes from the shape
+(``memory/model_layout.shape_sizes``) instead of a model. :func:`resolve` is the engine's own
+resolution, so the estimate refuses what the engine would refuse, with the same message, and prints
+the same decisions. A plan that RAM + disk cannot hold is reported, not raised: the estimate says
+what fits.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+from ..config import MegaTrainConfig
+from ..errors import MegatrainConfigError
+from ..memory.host import GiB, gib
+from ..memory.model_layout import shape_sizes
+from ..memory.shapes import ModelShape
+from ..plan import ADJUSTMENTS, Machine, Run, TrainingPlan, check, resolve
+
+
+def config_of(args) -> MegaTrainConfig:
+    """The options the estimate's flags stand for (``offload_dir`` checked as the engine checks it)."""
+    if args.offload_window < 2:
+        raise MegatrainConfigError(
+            f"--offload-window {args.offload_window}: must be >= 2 (the unit updating and the one written back "
+            "behind it). Fix: --offload-window 4, the default.")
+    return MegaTrainConfig(
+        compute_dtype=args.dtype, host_staging=args.host_staging, optimizer_state=args.optimizer_state,
+        grad_dtype=args.grad_dtype, sequence_tile_tokens=args.sequence_tile_tokens,
+        checkpoint_interval=args.checkpoint_interval, chunked_loss=args.chunked_loss,
+        loss_chunk_tokens=args.loss_chunk_tokens, base_quantization=args.base_quantization,
+        offload_checkpoints=True if args.offload_checkpoints else "auto",
+        max_gpu_memory=int(args.gpu_gib * GiB) if args.gpu_gib is not None else None,
+        offload_dir=args.offload_dir, offload_state=args.offload_state, offload_window=args.offload_window)
+
+
+def shape_plan(args, shape: ModelShape, ram_available: int, disk_free: int | None) -> tuple[TrainingPlan, str | None]:
+    """(the plan of ``shape`` on the machine the flags describe, the engine's refusal for lack of RAM or
+    disk or None). Raises what the engine refuses for options that do not combine."""
+    config = config_of(args)
+    machine = Machine(torch.device("cuda"), cuda=True, world_size=args.world_size, ram_available=ram_available,
+                      disk_free=disk_free, cpus=config.resolve_host_threads(),
+                      grad_dtype_tensors=hasattr(torch.Tensor, "grad_dtype"))
+    run = Run(bf16=args.dtype == "bf16", grad_accum=args.grad_accum)
+    if args.disk_gib is not None and args.offload_dir is None:  # a tier planned on --disk-gib alone
+        what_if = copy.copy(config)
+        what_if.offload_dir = "(--disk-gib)"  # planning only: the rules read whether it is set
+        check(what_if, machine, run)
+
+    def sizes(compute: torch.dtype):
+        return shape_sizes(shape, compute, args.lora_rank, args.base_quantization)
+
+    try:
+        return resolve(config, machine, run, sizes), None
+    except MemoryError as exc:  # HostMemoryError, DiskSpaceError: the arithmetic is the estimate's own table
+        refusal = str(exc).split("\n", 1)[0]
+    unchecked = dataclasses.replace(machine, ram_available=None, disk_free=1 << 62)
+    return resolve(config, unchecked, run, sizes), refusal
+
+
+def describe(plan: TrainingPlan, refusal: str | None = None) -> str:
+    """The decisions and the adjustments as a table."""
+    lines = ["DECISIONS (the engine's plan, megatrain_hf/plan.py)"]
+    lines += [f"  {name:<34}{value}" for name, value in decisions(plan)]
+    for key, detail in plan.adjustments:
+        (choice, other), what = ADJUSTMENTS[key]
+        lines.append(f"  adjusted: {choice} with {other}: {what}" + (f" ({detail})" if detail else ""))
+    if refusal is not None:
+        lines.append(f"  the engine would refuse to attach here: {refusal}")
+    return "\n".join(lines)
+
+
+def as_dict(plan: TrainingPlan, refusal: str | None = None) -> dict:
+    return {"decisions": dict(decisions(plan)), "adjustments": [key for key, _ in plan.adjustments],
+            "refusal": refusal}
+
+
+def decisions(plan: TrainingPlan) -> list[tuple[str, str]]:
+    """(decision, value) rows of ``plan``."""
+    tiers, moments, own, act = plan.disk.tiers, plan.optimizer.moments, plan.ownership, plan.activations
+    where = (f"on disk for {len(tiers.units)} unit(s) ({gib(tiers.disk_bytes)} GiB, {plan.disk.window} RAM slots)"
+             if tiers.on_disk else "in RAM")
+    return [
+        ("compute dtype", _name(plan.precision.compute)),
+        ("gradient accumulators", f"{_name(plan.precision.grads)} (the streamed matrices; the rest fp32)"),
+        ("AdamW moments", "none planned (replace_adamw=False)" if moments is None else f"{moments.mode}, {where}"),
+        ("fp32 masters", f"on disk for {len(tiers.masters)} unit(s)" if tiers.masters else "in RAM"),
+        ("host staging copy", "kept" if plan.host.staging else "none (the device rounds the fp32 masters)"),
+        ("pinned host memory", "yes" if plan.host.pin else "no"),
+        ("ownership", f"sharded by unit over {own.world_size} ranks" if own.sharded else "every unit local"),
+        ("transport", "CUDA streams" if plan.transport.streams else "inline (CPU)"),
+        ("host update", f"{plan.optimizer.kernel} kernel, {plan.optimizer.threads} threads"
+         + (", the device takes a share" if plan.optimizer.device_update else "")),
+        ("activation checkpoints", {True: "pinned host", False: "on the device"}.get(
+            act.offload_checkpoints, "auto (the GPU budget decides)") + f", every {act.checkpoint_interval} unit(s)"),
+        ("MLP tiles", f"sequence_tile_tokens={act.tile_tokens!r}"),
+        ("chunked loss", "on" if plan.loss.chunked else "off at attach"),
+    ]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
