@@ -169,7 +169,8 @@ class Engine:
         for unit in self.units:
             patcher.set_attr(unit.module, "forward", functools.partial(_unit_forward, weakref.ref(self), unit.index))
         install_model(patcher, model, [u.module for u in self.units], self.device, self.synchronize,
-                      self.store.mark_dirty, self._check_state_readable if self.store.remote else None)
+                      self.store.mark_dirty, self._check_state_readable if self.store.remote else None,
+                      frozenset(id(e.tensor) for u in self.store.remote for e in self.store.owned_trainable(u)))
         self._install_chunked_loss(unwrap(model))
         # torch keeps global hooks forever: hold the engine weakly so a dropped model is freed
         on_step = weakref.WeakMethod(self._on_optimizer_step)

@@ -121,9 +121,10 @@ class _Alignment:
 
 def install_model(patcher: Patcher, model: nn.Module, units: list[nn.Module], device: torch.device,
                   synchronize: Callable[[], None], mark_dirty: Callable[[], None],
-                  check_readable: Callable[[], None] | None = None) -> None:
+                  check_readable: Callable[[], None] | None = None, absent: frozenset[int] = frozenset()) -> None:
     """Every change of the module docstring but the units' own forwards. ``check_readable``: raises when
-    this process's parameters are not the model's (data parallelism: the units other ranks own)."""
+    this process's parameters are not the model's (data parallelism: the units other ranks own), whose
+    parameters (``absent``: their ids) a ``load_state_dict`` leaves alone (their owner loads them)."""
     base = unwrap(model)
     chain = wrapper_chain(model)
     _disable_hf_checkpointing(patcher, base, chain)
@@ -145,6 +146,8 @@ def install_model(patcher: Patcher, model: nn.Module, units: list[nn.Module], de
     # changes the masters (re-stage them)
     patcher.hook(base, base.register_load_state_dict_pre_hook(lambda *args, **kwargs: synchronize()))
     patcher.hook(base, base.register_load_state_dict_post_hook(lambda *args, **kwargs: mark_dirty()))
+    if absent:
+        _skip_absent_on_load(patcher, base, absent)
     for target in chain:
         original = target.zero_grad
         patcher.set_attr(target, "zero_grad", lambda set_to_none=True, original=original: zero_grad_after(
@@ -156,6 +159,25 @@ def install_model(patcher: Patcher, model: nn.Module, units: list[nn.Module], de
         decoder = base.get_decoder() if hasattr(base, "get_decoder") else base
         check = SequenceLengthCheck(limit, getattr(text_config, "model_type", "?"), limit_reason(text_config))
         patcher.hook(decoder, decoder.register_forward_pre_hook(check, with_kwargs=True))
+
+
+def _skip_absent_on_load(patcher: Patcher, base: nn.Module, absent: frozenset[int]) -> None:
+    """``load_state_dict`` (resume, ``load_best_model_at_end``) on a rank that does not hold some units:
+    their entries are not copied (their owner loads them; here they are placeholders), nor reported missing."""
+    names = [name for name, p in base.named_parameters(remove_duplicate=False) if id(p) in absent]
+    skipped: set[str] = set()
+
+    def pre(module, state_dict, prefix, *args):
+        for name in names:
+            if state_dict.pop(prefix + name, None) is not None:
+                skipped.add(prefix + name)
+
+    def post(module, incompatible_keys):
+        incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in skipped]
+        skipped.clear()
+
+    patcher.hook(base, base._register_load_state_dict_pre_hook(pre, with_module=True))
+    patcher.hook(base, base.register_load_state_dict_post_hook(post))
 
 
 def _disable_hf_checkpointing(patcher: Patcher, base: nn.Module, chain: list[nn.Module]) -> None:

@@ -54,20 +54,15 @@ def main() -> None:
                 loss /= world
             losses.append(float(loss))
         if cli.megatrain:
-            norm = engine.grads.global_norm()
-            optimizer.set_clip_coef(torch.clamp(0.5 / (norm + 1e-6), max=1.0))
+            norm = engine.clip_grad_norm_(0.5, optimizer=optimizer)
         else:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         norms.append(float(norm))
         optimizer.step()
         optimizer.zero_grad()
-    state = model.state_dict()
-    if cli.megatrain:
-        engine.synchronize()
-        if world > 1:
-            from megatrain_hf.integrations.trainer.distributed import gather_state_dict
+    from megatrain_hf import gather_state_dict
 
-            state = gather_state_dict(engine, model)
+    state = gather_state_dict(model)  # every rank; the full state on rank 0 (a plain state_dict() unattached)
     if rank == 0:
         torch.save({n: state[n].detach().clone() for n, _ in model.named_parameters()}, cli.out + ".pt")
         with open(cli.out, "w") as f:
