@@ -20,6 +20,7 @@ import megatrain_hf
 from megatrain_hf.cli import COMMANDS, main
 from megatrain_hf.cli.launch import load_launch_config
 from megatrain_hf.config import ENV_VAR
+from megatrain_hf.integrations.reach import BOOT_DIR
 from megatrain_hf.memory.shapes import format_count
 from tests.helpers import REPO_ROOT
 
@@ -220,9 +221,11 @@ def test_shipped_config_through_the_launcher(path, capsys):
     comments = [line[4:] for line in out if line.startswith("#   ")]
     assert yaml.safe_load("\n".join(comments)) == keys  # the accelerate part, as it will be written
     command = shlex.split(out[-1])
-    assert command[0] == f"{ENV_VAR}={json.dumps(config.to_dict())}"
-    assert command[1:5] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    assert command[6:] == ["-m", "megatrain_hf.run", str(SCRIPT), "--out", "a b.json"]
+    assert command[0] == f"PYTHONPATH={BOOT_DIR}" + "".join(os.pathsep + p for p in os.environ.get(
+        "PYTHONPATH", "").split(os.pathsep) if p and p != BOOT_DIR)  # megatrain's boot first (integrations/reach.py)
+    assert command[1] == f"{ENV_VAR}={json.dumps(config.to_dict())}"
+    assert command[2:6] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    assert command[7:] == ["-m", "megatrain_hf.run", str(SCRIPT), "--out", "a b.json"]
 
 
 def test_cpu_config_is_cpu_only():
