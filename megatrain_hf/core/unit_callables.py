@@ -65,13 +65,16 @@ class UnitRefs:
     modules: dict[int, nn.Module]
     streamed: frozenset[int]
     unit: str = "the unit"
+    holders: bool = True
+    """Whether any other module holding a streamed parameter counts too (for a unit: yes; for the model's own
+    forward, which reaches the units through their streamed forwards: no)."""
 
     def hit(self, obj: object) -> str | None:
         """What ``obj`` itself is, if it is a thing of the model a callable must not hold, else None."""
         if isinstance(obj, nn.Module):
             if id(obj) in self.modules:
                 return f"module {type(obj).__name__} of {self.unit}"
-            if any(id(p) in self.streamed for p in obj.parameters()):
+            if self.holders and any(id(p) in self.streamed for p in obj.parameters()):
                 return f"module {type(obj).__name__}, which holds streamed parameters"
         elif isinstance(obj, torch.Tensor) and id(obj) in self.streamed:
             return f"a streamed parameter of shape {tuple(obj.shape)}"

@@ -211,14 +211,18 @@ class MegaTrainPlugin(TrainerCallback):
         )
 
     def adopt_trl_fused_head(self) -> None:
-        """Serve TRL's fused LM head (if the model has one) through the engine's head unit."""
-        from ..trl import adopt_fused_lm_head
+        """Serve TRL's fused LM head (if the model has one) through the engine's head unit; then refuse any
+        other forward of the model that holds a streamed module or parameter (``trl.check_model_forward``)."""
+        from ..trl import adopt_fused_lm_head, check_model_forward
 
         for engine in (self.engine, *self.references):
             model = engine.model
-            for candidate in (model, getattr(model, "get_base_model", lambda: None)()):
-                if candidate is not None and adopt_fused_lm_head(engine, candidate):
+            candidates = [c for c in (model, getattr(model, "get_base_model", lambda: None)()) if c is not None]
+            for candidate in candidates:
+                if adopt_fused_lm_head(engine, candidate):
                     break
+            for candidate in candidates:
+                check_model_forward(engine, candidate)
 
     # ------------------------------------------------------------------ callback events
     def on_train_begin(self, args, state, control, **kwargs):
