@@ -119,8 +119,9 @@ def _run(tool: str, venv: str, work: str, out: str, mode: str, procs: int, wrapp
     if wrapped:
         cmd = [os.path.join(venv, "bin", "python"), "-m", "megatrain_hf.run", *cmd]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MEGATRAIN_CONFIG", "VIRTUAL_ENV")}
+    # no network here: the hub offline, the tools' telemetry off (axolotl's would retry its upload)
     env.update(PATH=f"{venv}/bin:{env.get('PATH', '')}", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               CUDA_VISIBLE_DEVICES="", **extra)
+               CUDA_VISIBLE_DEVICES="", DO_NOT_TRACK="1", AXOLOTL_DO_NOT_TRACK="1", **extra)
     started = time.time()
     log = f"{out}.log"
     with open(log, "w", encoding="utf-8") as f:

@@ -282,6 +282,7 @@ def test_make_test_shows_skip_reasons_and_test_fast_skips_slow_tests():
     assert '-m pytest -m "not gpu" -q -rs' in _make("test")
     assert '-m pytest -m "not gpu and not slow" -q -rs' in _make("test-fast")
     assert "bash .ci/lower_bounds.sh" in _make("lower-bounds")
+    assert "bash .ci/integrations.sh" in _make("test-integrations")  # the tools' own commands (docs/integrations.md)
 
 
 def test_ci_runs_the_tests_then_the_lower_bounds_then_the_docs():
