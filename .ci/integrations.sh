@@ -8,13 +8,13 @@
 # The install lines are the recipes docs/integrations.md gives:
 # - trl: pip install megatrain_hf "trl>=1.15,<1.17" datasets
 # - LLaMA-Factory 0.9.5 (pins transformers<=5.6, accelerate<=1.11, peft<=0.18.1, all inside megatrain's ranges):
-#   pip install megatrain_hf llamafactory==0.9.5. On this machine torch is the local CPU build, which
-#   torchvision's PyPI wheel (a CUDA build) cannot load ops from ("torchvision::nms does not exist"), and
-#   transformers then fails to import: torchvision and torchaudio are removed here (text-only training).
+#   pip install megatrain_hf llamafactory==0.9.5. On this machine pip prefers a local CPU build of torch, next to
+#   which torchvision's and torchaudio's PyPI wheels cannot load their operators ("torchvision::nms does not
+#   exist"; LLaMA-Factory imports both): the venv gets PyPI's torch 2.13.0 instead, as any other machine would.
 # - axolotl 0.21 (Python >= 3.12; pins transformers 5.20.1, accelerate 1.15.0, peft 0.21.2, trl 1.14.1):
 #   pip install megatrain_hf axolotl==0.21.0 in a 3.12 venv, where pip pulls a CUDA build of torch (it runs on
 #   the CPU). trl 1.14 is outside megatrain's range; axolotl's SFT trainer is no TRL trainer, so SFT is not
-#   refused (its DPO/KTO/ORPO trainers are, naming the version).
+#   refused (its DPO/KTO/ORPO trainers are, naming the version). axolotl's telemetry is turned off (no network).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -43,8 +43,16 @@ for tool in $TOOLS; do
     case $tool in
         trl) venv trl "$PY" "$TORCH" "$root" "trl>=1.15,<1.17" datasets ;;
         llamafactory)
-            venv llamafactory "$PY" "$TORCH" "$root" "llamafactory==0.9.5"
-            "$work/venv-llamafactory/bin/python" -m pip uninstall -q -y torchvision torchaudio || true ;;
+            venv llamafactory "$PY" "$root" "llamafactory==0.9.5"
+            lf="$work/venv-llamafactory/bin/python"
+            if ! "$lf" -c "import torchaudio, torchvision" 2>/dev/null; then
+                # PyPI's torch 2.13.0 (a CUDA build; it runs on the CPU) instead of this machine's local CPU build,
+                # whose ABI torchvision's and torchaudio's PyPI wheels do not match; --isolated: without the
+                # machine's pip configuration that prefers the local wheel
+                "$lf" -m pip uninstall -q -y torch
+                cert=(); [ -f /etc/ssl/certs/ca-certificates.crt ] && cert=(--cert /etc/ssl/certs/ca-certificates.crt)
+                "$lf" -m pip --isolated install -q "${cert[@]}" "torch==2.13.0" "torchvision==0.28.0"
+            fi ;;
         axolotl) venv axolotl "$PY312" "$root" "axolotl==0.21.0" ;;
         *) echo "unknown tool $tool" >&2; exit 2 ;;
     esac

@@ -27,16 +27,22 @@ print(int(SUPPORTED_TRL[0] <= parts < SUPPORTED_TRL[1]))")
     started=$(date +%s)
     set +e
     PYTHONPATH="$target:$work/triton:$PWD" TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
-        "$PY" -m pytest -q --tb=line -p no:cacheprovider -m "not gpu" tests/integration/trl \
+        "$PY" -m pytest -q -p no:cacheprovider --junitxml="$work/trl-$version.xml" -m "not gpu" tests/integration/trl \
         --deselect tests/integration/trl/test_trl_versions.py::test_the_installed_trl_is_in_the_range > "$log" 2>&1
     code=$?
     set -e
     summary=$(tail -n 1 "$log")
-    # every failure must be megatrain's refusal naming this version (--tb=line: one "file:line: Error: message"
-    # line per failed test)
-    failed=$(grep -cE "^(FAILED|ERROR) " "$log" || true)
-    refused=$(grep -c "UnsupportedTrlError: megatrain: trl $version is outside" "$log" || true)
-    other=$(( failed - refused ))
+    # every failure must be megatrain's refusal naming this version (read from pytest's JUnit XML)
+    read -r refused other < <("$PY" - "$work/trl-$version.xml" "$version" <<'PYEOF'
+import sys
+import xml.etree.ElementTree as ET
+
+refusal = f"UnsupportedTrlError: megatrain: trl {sys.argv[2]} is outside"
+found = [f.get("message", "") + (f.text or "") for case in ET.parse(sys.argv[1]).iter("testcase")
+         for f in list(case.iter("failure")) + list(case.iter("error"))]
+print(sum(refusal in m for m in found), sum(refusal not in m for m in found))
+PYEOF
+)
     if [ "$supported" = 1 ] && [ "$code" = 0 ]; then
         verdict="exact (inside the range)"
     elif [ "$supported" = 0 ] && [ "$refused" -gt 0 ] && [ "$other" = 0 ]; then

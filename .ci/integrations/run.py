@@ -75,8 +75,11 @@ def axolotl_command(work: str, out: str, mode: str, procs: int) -> tuple[list[st
         "dataset_prepared_path": f"{out}-prepared",
     }
     if mode == "lora":
+        # axolotl's q/k/v and o LoRA kernels (torch autograd functions, bound per attention module: what
+        # megatrain rebinds) run on the CPU; its MLP kernel is Triton's SwiGLU, which needs CUDA even without
+        # megatrain (plain axolotl fails with "Found no NVIDIA driver")
         config.update(adapter="lora", lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules=LORA_TARGETS,
-                      lora_qkv_kernel=True, lora_o_kernel=True, lora_mlp_kernel=True)
+                      lora_qkv_kernel=True, lora_o_kernel=True, lora_mlp_kernel=False)
     path = f"{out}.yml"
     with open(path, "w", encoding="utf-8") as f:
         json.dump(config, f)
@@ -159,7 +162,10 @@ def main(argv: list[str]) -> int:
     lines, failed = [], False
     for tool in tools:
         venv = os.path.join(work, "venv-" + tool)
+        only = os.environ.get("CASES")  # e.g. CASES=lora-1 runs only those cases
         for mode, procs in CASES[tool]:
+            if only and f"{mode}-{procs}" not in only.split(","):
+                continue
             name = f"{tool}-{mode}-{procs}p"
             plain_out, mt_out = os.path.join(work, "out", name, "plain"), os.path.join(work, "out", name, "megatrain")
             os.makedirs(os.path.dirname(plain_out), exist_ok=True)
