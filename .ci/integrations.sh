@@ -25,6 +25,7 @@ TOOLS=${TOOLS:-trl llamafactory axolotl}
 work=${WORK:-$(mktemp -d)}
 [ -n "${WORK:-}" ] || trap 'rm -rf "$work"' EXIT
 started=$(date +%s)
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo '?')$(git diff --quiet HEAD -- megatrain_hf 2>/dev/null || echo '+changes')
 mkdir -p "$work"
 "$PY" .ci/integrations/fixtures.py "$work"
 
@@ -64,7 +65,7 @@ mkdir -p docs/results
 {
     echo "# make test-integrations: last output"
     echo
-    echo "Commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), $(date -u +%Y-%m-%d), $(nproc) CPU cores,"
+    echo "Commit $commit (megatrain as installed at the start), $(date -u +%Y-%m-%d), $(nproc) CPU cores,"
     echo "whole job $(( $(date +%s) - started )) s (venvs made in this run: $([ -n "${WORK:-}" ] && echo 'reused where present' || echo 'all'))."
     echo
     for tool in $TOOLS; do
