@@ -4,7 +4,7 @@ PIP := $(PY) -m pip
 # torch 2.13.0 first: on a CPU machine it is the local CPU build; an unpinned torch would pull CUDA.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test test-fast test-gpu lower-bounds docs clean
+.PHONY: install demo test test-fast test-gpu lower-bounds test-integrations docs clean
 
 install:
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH)"
@@ -27,6 +27,11 @@ test-fast: install
 # on a fast subset of the tests (.ci/lower_bounds.sh says which)
 lower-bounds:
 	PY=$(PY) TORCH="$(TORCH)" bash .ci/lower_bounds.sh
+
+# axolotl, LLaMA-Factory and trl's CLI in their own venvs, plain vs megatrain through each tool's own command
+# (.ci/integrations.sh; docs/integrations.md). WORK=DIR keeps the venvs for the next run.
+test-integrations:
+	PY=$(PY) TORCH="$(TORCH)" bash .ci/integrations.sh
 
 # the documentation site (mkdocs.yml): strict, so a broken link or a page missing from the nav fails
 docs:

@@ -31,6 +31,13 @@ import time
 
 STARTED = time.time()  # before the heavy imports: the wall time reported includes them
 
+import logging  # noqa: E402
+
+# transformers imports peft, which imports bitsandbytes where it is installed (the test extra); on a CPU
+# with AVX-512 bitsandbytes then warns that the optional `kernels` package of its 4-bit CPU kernel is
+# missing. The demo quantizes nothing: its warning is not the demo's.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
 import torch  # noqa: E402
 from common import n_params, quiet, stdlib_files, tiny_llama, train_tokenizer  # noqa: E402  (examples/common.py)
 from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
@@ -96,7 +103,13 @@ class Blocks(torch.utils.data.Dataset):
 
 
 class Progress(TrainerCallback):
-    """One short line per log (instead of Trainer's dict of every metric), and the time limit."""
+    """One short line per log (instead of Trainer's dict of every metric), and the time limit.
+
+    It reads no weight or gradient at the step's end (only the clock), so it says so to megatrain: the
+    background update keeps overlapping the next forward.
+    """
+
+    megatrain_observes_weights = False
 
     def __init__(self, max_steps: int, stop_at: float | None) -> None:
         self.max_steps = max_steps

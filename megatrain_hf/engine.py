@@ -120,9 +120,10 @@ class Engine:
                                 available_host=self._available_host, on_undo=self.patcher.on_undo)
         templates = TemplateCache()
         units = []
+        streamed = frozenset(id(p) for _, module in named for p in module.parameters())  # no callable may hold one
         for u, (name, module) in enumerate(named):
             template = templates.get(module)
-            units.append(Unit(u, name, module, template, template.mirror_of(module),
+            units.append(Unit(u, name, module, template, template.mirror_of(module, streamed, name),
                               self.store.entries_of(u, Kind.TRAINABLE), self.store.entries_of(u, Kind.FROZEN)))
         self.num_templates = len(templates)
         self.runner = UnitRunner(units, self.streamer, self.grads, self.stats, self.budget, device, dtype,

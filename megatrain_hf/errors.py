@@ -39,6 +39,12 @@ class UnsupportedModelError(MegatrainError, ValueError):
     megatrain cannot stream."""
 
 
+class UnitCallableError(UnsupportedModelError):
+    """A callable on a unit's module (a bound method, partial, closure or per-instance ``forward``, e.g.
+    axolotl's LoRA kernels) computes with the real module or a streamed parameter and cannot be rebound to
+    the unit's template exactly (``core/unit_callables.py``)."""
+
+
 class TrainingDataError(MegatrainError, ValueError):
     """The training data cannot be trained on as given (empty, or longer than the model's positions)."""
 
@@ -75,6 +81,11 @@ class DependencyError(MegatrainError, RuntimeError):
 
 
 # ---------------------------------------------------------------------------------- resources
+class UnsupportedTrlError(DependencyError):
+    """A trl version outside the range megatrain trains exactly, or a trl patch of the model's ``forward``
+    that reads a streamed parameter directly (``integrations/trl.py``)."""
+
+
 class HostMemoryError(MegatrainError, MemoryError):
     """Host RAM is short for the plan (checked before allocating) or for offloaded activation checkpoints."""
 
@@ -105,6 +116,6 @@ class BackgroundWorkerError(MegatrainError, RuntimeError):
 __all__ = [
     "MegatrainError", "MegatrainConfigError", "IncompatibleOptionsError", "UnsupportedModelError",
     "TrainingDataError", "CheckpointError", "UnreadableCheckpointError", "UsageError", "AttachedModelError",
-    "StreamedCallError", "DependencyError", "HostMemoryError", "PinnedMemoryError", "DiskSpaceError",
-    "DiskIOError", "CollectiveError", "BackgroundWorkerError",
+    "StreamedCallError", "DependencyError", "UnitCallableError", "UnsupportedTrlError", "HostMemoryError",
+    "PinnedMemoryError", "DiskSpaceError", "DiskIOError", "CollectiveError", "BackgroundWorkerError",
 ]

@@ -10,7 +10,8 @@ import sys
 from importlib import metadata
 
 COMMANDS = {
-    "launch": "run an unchanged training script with megatrain (accelerate config + `megatrain:` section)",
+    "launch": "run an unchanged training script, -m module or console script with megatrain (accelerate config "
+              "+ `megatrain:` section)",
     "estimate": "host RAM and GPU memory a model needs, and the largest model that fits",
     "bench": "benchmark megatrain against its baselines",
 }
@@ -29,6 +30,7 @@ def _help() -> str:
         "",
         "`megatrain COMMAND --help` lists a command's options, e.g.",
         "  megatrain launch --config_file configs/megatrain_cpu.yaml train.py --output_dir out",
+        "  megatrain launch --config_file configs/megatrain_cpu.yaml llamafactory-cli train config.yaml",
         "  megatrain estimate --model llama-7b",
     ]
     return "\n".join(lines) + "\n"

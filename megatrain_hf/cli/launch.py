@@ -6,6 +6,12 @@ against accelerate's own schema (an error names the user's file, not a temporary
 temporary accelerate config, the ``megatrain:`` section is validated here and handed to the
 training processes through the ``MEGATRAIN_CONFIG`` environment variable, and the script runs
 under ``megatrain_hf.run``. YAML is read with ``yaml.safe_load`` only.
+
+The target is a script, ``-m MODULE`` (``megatrain launch --config_file c.yaml -m axolotl.cli.train
+cfg.yml``) or an installed console script by name (``megatrain launch --config_file c.yaml
+llamafactory-cli train cfg.yaml``); ``megatrain_hf.run`` runs each as its own command would. The
+launcher is the outermost wrapper of the run (``integrations/reach.py``): every Python process the run
+starts boots megatrain, and a run in which no Trainer trained with megatrain ends with a WARNING.
 """
 
 from __future__ import annotations
@@ -132,30 +138,71 @@ def launch(argv: list[str]) -> int:
     parser.add_argument("--dry_run", action="store_true",
                         help="check the config and the script, print the accelerate config and the command, "
                              "run nothing")
-    parser.add_argument("script", help="training script (run unchanged)")
+    parser.add_argument("-m", dest="module", action="store_true",
+                        help="the target is a module, run as `python -m MODULE` would (e.g. -m axolotl.cli.train)")
+    parser.add_argument("script", help="training script (run unchanged), module (with -m), or console script "
+                                       "(an installed command such as llamafactory-cli)")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="the script's own arguments")
     args = parser.parse_args(argv)
     accelerate_keys, config = load_launch_config(args.config_file)
-    if not os.path.isfile(args.script):
-        raise FileNotFoundError(
-            f"training script {args.script!r} does not exist (looked in {os.getcwd()}); "
-            "usage: megatrain launch --config_file CONFIG.yaml SCRIPT.py [SCRIPT ARGS...]"
-        )
+    target = ["-m", args.script] if args.module else [args.script]
+    _check_target(args.script, args.module)
     import yaml
 
-    env = dict(os.environ, **{ENV_VAR: json.dumps(config.to_dict())})
+    from ..integrations.reach import child_env, owned_run
+
+    config_json = json.dumps(config.to_dict())
     if args.dry_run:
+        env = child_env(config_json)
         print(f"# the accelerate keys of {args.config_file}, written to a temporary ACCELERATE_YAML at launch:")
         print("\n".join("#   " + line for line in yaml.safe_dump(accelerate_keys).splitlines()))
-        print(f"{ENV_VAR}={shlex.quote(env[ENV_VAR])} " + shlex.join(_command("ACCELERATE_YAML", args)))
+        print(f"PYTHONPATH={shlex.quote(env['PYTHONPATH'])} {ENV_VAR}={shlex.quote(env[ENV_VAR])} "
+              + shlex.join(_command("ACCELERATE_YAML", target, args.script_args)))
         return 0
-    with tempfile.TemporaryDirectory(prefix="megatrain_launch_") as tmp:
-        accel_path = os.path.join(tmp, "accelerate.yaml")
-        with open(accel_path, "w", encoding="utf-8") as f:
-            yaml.safe_dump(accelerate_keys, f)
-        return subprocess.call(_command(accel_path, args), env=env)
+    previous = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = config_json  # owned_run hands it to every child, with megatrain's boot
+    try:
+        with owned_run(["megatrain", "launch", *argv]) as run, \
+                tempfile.TemporaryDirectory(prefix="megatrain_launch_") as tmp:
+            accel_path = os.path.join(tmp, "accelerate.yaml")
+            with open(accel_path, "w", encoding="utf-8") as f:
+                yaml.safe_dump(accelerate_keys, f)
+            code = subprocess.call(_command(accel_path, target, args.script_args))
+            run.failed = code != 0
+            return code
+    finally:
+        if previous is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = previous
 
 
-def _command(accelerate_yaml: str, args: argparse.Namespace) -> list[str]:
+def _check_target(script: str, module: bool) -> None:
+    """Refuse a target that cannot run, before starting anything."""
+    from importlib import metadata, util
+
+    usage = ("usage: megatrain launch --config_file CONFIG.yaml (SCRIPT.py | -m MODULE | CONSOLE_SCRIPT) "
+             "[ARGS...]")
+    if module:
+        try:
+            found = util.find_spec(script) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise FileNotFoundError(f"module {script!r} cannot be imported here (-m takes a module name such as "
+                                    f"axolotl.cli.train); {usage}")
+        return
+    if os.path.isfile(script):
+        return
+    if os.sep not in script and any(True for _ in metadata.entry_points(group="console_scripts", name=script)):
+        return
+    hint = " (a module? put -m before it)" if "." in script and not script.endswith(".py") else ""
+    raise FileNotFoundError(
+        f"training script {script!r} does not exist (looked in {os.getcwd()}) and is no installed console "
+        f"script{hint}; {usage}"
+    )
+
+
+def _command(accelerate_yaml: str, target: list[str], script_args: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", accelerate_yaml]
-    return cmd + ["-m", "megatrain_hf.run", args.script, *args.script_args]
+    return cmd + ["-m", "megatrain_hf.run", *target, *script_args]

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .unit_callables import UnitRefs, resolve
+
 _FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
 _HOOK_DICTS = (
     "_forward_pre_hooks",
@@ -124,9 +126,27 @@ class _Slot:
 @dataclass
 class Mirror:
     """What binding copies from one real unit: (template submodule, real submodule, plain attribute
-    names) per submodule, the root first."""
+    names) per submodule, the root first; the attributes that hold code (callables, containers) are
+    mirrored through :func:`unit_callables.resolve` (``checked``), the rest as they are."""
 
     pairs: list[tuple[nn.Module, nn.Module, tuple[str, ...]]]
+    checked: list[tuple[str, ...]] = field(default_factory=list)
+    """Per pair, the attributes mirrored through ``resolve`` (a sub-module's ``forward`` always is)."""
+    refs: UnitRefs | None = None
+    resolved: dict[tuple[int, str], tuple[object, object]] = field(default_factory=dict)
+    """(pair index, attribute) -> (the real value, what the template gets), by identity of the real value."""
+    root_forward: object = None
+    """The real root's own instance ``forward`` at attach, rebound (the engine replaces the real one)."""
+    names: list[str] = field(default_factory=list)
+
+    def value(self, i: int, key: str, real: object) -> object:
+        """What the template mirrors for ``real`` = the real sub-module ``i``'s ``key`` (resolved once per value)."""
+        cached = self.resolved.get((i, key))
+        if cached is not None and cached[0] is real:
+            return cached[1]
+        value = resolve(real, key, self.names[i], self.refs)
+        self.resolved[(i, key)] = (real, value)
+        return value
 
 
 @dataclass
@@ -196,13 +216,34 @@ class Template:
             self.slots[name] = _Slot(named[owner], attr, True)
         self._template_modules = [m for _, m in self.module.named_modules()]
 
-    def mirror_of(self, real: nn.Module) -> Mirror:
-        """Precomputed pairs to mirror at bind."""
-        pairs = []
-        for t_mod, (_, r_mod) in zip(self._template_modules, real.named_modules()):
-            keys = tuple(k for k in vars(r_mod) if k not in _MODULE_INTERNALS)
-            pairs.append((t_mod, r_mod, keys))
-        return Mirror(pairs)
+    def mirror_of(self, real: nn.Module, streamed: frozenset[int] = frozenset(), name: str = "unit") -> Mirror:
+        """Precomputed pairs to mirror at bind; every callable the real unit's modules carry is resolved
+        now (``unit_callables.py``): rebound to the template, or refused with ``UnitCallableError``.
+
+        ``streamed``: the ids of every parameter the engine streams (this unit's and the others');
+        ``name``: the unit's name in the model, for messages.
+        """
+        named = list(real.named_modules())
+        refs = UnitRefs({id(r): t for t, (_, r) in zip(self._template_modules, named)},
+                        frozenset(streamed) | {id(p) for p in real.parameters()}, name)
+        mirror = Mirror([], refs=refs, names=[f"{name}.{n}" if n else name for n, _ in named])
+        for i, (t_mod, (_, r_mod)) in enumerate(zip(self._template_modules, named)):
+            keys, checked = [], []
+            for k, v in vars(r_mod).items():
+                if k in _MODULE_INTERNALS:
+                    continue
+                (checked if callable(v) or isinstance(v, (list, tuple, dict, set, frozenset, torch.Tensor))
+                 else keys).append(k)
+            for k in checked:
+                mirror.value(i, k, vars(r_mod)[k])  # refused here, at attach, rather than at the first step
+            if i and "forward" in vars(r_mod):
+                mirror.value(i, "forward", vars(r_mod)["forward"])
+            mirror.pairs.append((t_mod, r_mod, tuple(keys)))
+            mirror.checked.append(tuple(checked))
+        own = vars(real).get("forward")
+        if own is not None:  # before the engine replaces it: the unit's own instance forward
+            mirror.root_forward = resolve(own, "forward", name, refs)
+        return mirror
 
     def bind(self, tensors: dict[str, torch.Tensor], mirror: Mirror, hooks: HookRecord | None = None,
              recompute: bool = False) -> nn.Module:
@@ -216,8 +257,19 @@ class Template:
             t_vars = t_mod.__dict__
             for k in keys:
                 t_vars[k] = r_vars[k]
-            if i:  # sub-modules: their hooks (the root's ran in the real unit's __call__)
+            for k in mirror.checked[i]:
+                t_vars[k] = mirror.value(i, k, r_vars[k])
+            if i:  # sub-modules: their hooks (the root's ran in the real unit's __call__), their own forward
                 self._mirror_hooks(i, t_vars, r_vars, hooks, recompute)
+                forward = r_vars.get("forward")
+                if forward is not None:
+                    t_vars["forward"] = mirror.value(i, "forward", forward)
+                elif "forward" in t_vars:  # another unit sharing the template had one
+                    del t_vars["forward"]
+            elif mirror.root_forward is not None:
+                t_vars["forward"] = mirror.root_forward
+            elif "forward" in t_vars:
+                del t_vars["forward"]
         for name, slot in self.slots.items():
             table = slot.module._buffers if slot.is_buffer else slot.module._parameters
             table[slot.attr] = tensors[name]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DependencyError, IncompatibleOptionsError
+from ..errors import DependencyError, IncompatibleOptionsError, UnsupportedTrlError
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,9 @@ def _trl_fused_forward(model: torch.nn.Module):
 
 
 SUPPORTED_TRL = ((1, 15), (1, 17))
-"""The trl versions whose fused LM head this module knows: >= 1.15, < 1.17 (pyproject.toml declares the same)."""
+"""The trl versions megatrain trains exactly: >= 1.15, < 1.17 (pyproject.toml declares the same). Measured with
+tests/integration/trl on each minor version from 1.14 (axolotl 0.21's pin) up: 1.14's SFTTrainer patches
+``model.forward`` with a chunked loss that reads ``lm_head.weight`` (the host master) directly."""
 
 
 def check_trl_version() -> None:
@@ -143,16 +145,55 @@ def check_trl_version() -> None:
     parts = tuple(int(p) for p in trl.__version__.split(".")[:2] if p.isdigit())
     low, high = SUPPORTED_TRL
     if not low <= parts < high:
-        raise DependencyError(
-            f"megatrain: trl {trl.__version__} is outside the range whose fused LM head this megatrain version "
-            f"knows (>= {'.'.join(map(str, low))}, < {'.'.join(map(str, high))}). Fix: pip install 'trl>=1.15,<1.17', "
-            "or open an issue with your trl version."
+        raise UnsupportedTrlError(
+            f"megatrain: trl {trl.__version__} is outside the range megatrain trains exactly (>= "
+            f"{'.'.join(map(str, low))}, < {'.'.join(map(str, high))}; trl 1.14 patches the model's forward with a "
+            "chunked loss that reads lm_head.weight from host RAM, and older ones are not tested). Fix: pip install "
+            "'trl>=1.15,<1.17', or open an issue with your trl version."
         )
     if parts < (1, 16) and importlib.util.find_spec("triton") is None:
         raise DependencyError(
             f"megatrain: trl {trl.__version__}'s fused LM head always runs its Triton kernel, and Triton is not "
             "installed here. Fix: pip install triton, or use trl 1.16 (which falls back to torch)."
         )
+
+
+def check_trl_trainer(trainer: Any) -> None:
+    """At attach of any TRL trainer (a Trainer subclass defined in ``trl``): its trl version is in the range."""
+    if any(cls.__module__.split(".")[0] == "trl" for cls in type(trainer).__mro__):
+        check_trl_version()
+
+
+def check_model_forward(engine: Any, model: torch.nn.Module) -> None:
+    """Refuse a per-instance ``forward`` of ``model`` that holds one of the engine's streamed modules or
+    parameters (trl 1.14's chunked loss closes over ``lm_head``): it would compute with the host masters
+    outside the streamed units. A forward that holds only the model itself (accelerate's autocast wrapper,
+    TRL's fused head, megatrain's own) reaches the units through their streamed forwards: left alone."""
+    from ..core.unit_callables import UnitRefs, find_reference
+
+    forward = model.__dict__.get("forward")
+    if forward is None:
+        return
+    modules = {id(m): m for unit in engine.units for m in unit.module.modules()}
+    refs = UnitRefs(modules, frozenset(id(p) for unit in engine.units for p in unit.module.parameters()),
+                    "the model", holders=False)
+    path = find_reference(forward, refs)
+    if path is None:
+        return
+    function = getattr(forward, "__func__", forward)
+    where = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', '?')}"
+    version = ""
+    if where.startswith("trl."):
+        import trl
+
+        version = f" (trl {trl.__version__}; megatrain trains trl >= 1.15, < 1.17 exactly)"
+    raise UnsupportedTrlError(
+        f"megatrain: the forward of {type(model).__name__} was replaced by {where}{version}, which holds {path}: "
+        "it would compute with the host masters outside megatrain's streamed units (wrong gradients, a race with "
+        "the background update). Fix: with trl 1.14's SFTTrainer, SFTConfig(loss_type='nll') (the same loss; "
+        "megatrain chunks it itself) or trl>=1.15,<1.17; otherwise leave the model's forward as transformers "
+        "defines it."
+    )
 
 
 def adopt_fused_lm_head(engine: Any, model: torch.nn.Module) -> bool:

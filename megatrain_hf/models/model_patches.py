@@ -189,7 +189,8 @@ def _disable_hf_checkpointing(patcher: Patcher, base: nn.Module, chain: list[nn.
             "HF activation checkpointing was enabled on the model; megatrain turns it off because it "
             "already recomputes every layer from its own checkpoint (HF's would recompute twice)."
         )
-        base.gradient_checkpointing_disable()
+        # the name of this transformers (5.23 renamed it; the old name warns that it is deprecated)
+        (getattr(base, "activation_checkpointing_disable", None) or base.gradient_checkpointing_disable)()
 
     def _noop(*args, **kwargs):
         logger.info(

@@ -28,6 +28,7 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--max_steps", type=int, default=4)
+    parser.add_argument("--save_steps", type=int, default=0, help="save a checkpoint every N steps (0: none)")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -40,7 +41,8 @@ def main():
     targs = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=2,
         gradient_accumulation_steps=2, learning_rate=2e-3, max_grad_norm=0.5, report_to=[],
-        save_strategy="no", use_cpu=True, seed=0, disable_tqdm=True, logging_steps=1,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, use_cpu=True,
+        seed=0, disable_tqdm=True, logging_steps=1,
     )
     Trainer(model=model, args=targs, train_dataset=Tokens()).train()
     engine = "megatrain_hf" in sys.modules and sys.modules["megatrain_hf"].engine_of(model) is not None

@@ -9,5 +9,8 @@ entry (``init()`` and the ``Trainer`` subclass).
 from .entry import Trainer, init
 from .init_wrap import disable, enable, install, is_enabled, uninstall
 from .plugin import MegaTrainPlugin
+from ..reach import finish_pending as _boot_pending
+
+_boot_pending(enable, is_enabled)  # megatrain's boot in a child process (integrations/reach.py)
 
 __all__ = ["MegaTrainPlugin", "Trainer", "disable", "enable", "init", "install", "is_enabled", "uninstall"]

@@ -63,6 +63,9 @@ def _patched_init(self, *args, **kwargs):
     if plugin is None:
         return _original_init(self, *args, **kwargs)
 
+    from ..trl import check_trl_trainer
+
+    check_trl_trainer(self)  # a TRL trainer: its trl version is one megatrain trains exactly (before attaching)
     callbacks = list(params.get("callbacks") or [])
     if not any(c is plugin for c in callbacks):
         callbacks.append(plugin)

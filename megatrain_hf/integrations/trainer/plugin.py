@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -35,6 +36,7 @@ from ...engine import Engine, attach, engine_of
 from ...plan import Run, check
 from ...stats import Metrics
 from . import overrides
+from ..reach import record_attached
 from .saving import host_adamw
 from .init_wrap import install
 
@@ -170,6 +172,9 @@ class MegaTrainPlugin(TrainerCallback):
         callbacks = trainer.callback_handler.callbacks
         callbacks.remove(self)
         callbacks.insert(0, self)
+        record_attached(type(trainer).__name__)
+        if getattr(trainer.args, "process_index", 0) == 0:
+            announce(self.engine, trainer)
 
     # ------------------------------------------------------------------ helpers for the overrides
     def log_once(self, level: int, message: str) -> None:
@@ -203,14 +208,18 @@ class MegaTrainPlugin(TrainerCallback):
         )
 
     def adopt_trl_fused_head(self) -> None:
-        """Serve TRL's fused LM head (if the model has one) through the engine's head unit."""
-        from ..trl import adopt_fused_lm_head
+        """Serve TRL's fused LM head (if the model has one) through the engine's head unit; then refuse any
+        other forward of the model that holds a streamed module or parameter (``trl.check_model_forward``)."""
+        from ..trl import adopt_fused_lm_head, check_model_forward
 
         for engine in (self.engine, *self.references):
             model = engine.model
-            for candidate in (model, getattr(model, "get_base_model", lambda: None)()):
-                if candidate is not None and adopt_fused_lm_head(engine, candidate):
+            candidates = [c for c in (model, getattr(model, "get_base_model", lambda: None)()) if c is not None]
+            for candidate in candidates:
+                if adopt_fused_lm_head(engine, candidate):
                     break
+            for candidate in candidates:
+                check_model_forward(engine, candidate)
 
     # ------------------------------------------------------------------ callback events
     def on_train_begin(self, args, state, control, **kwargs):
@@ -245,3 +254,41 @@ class MegaTrainPlugin(TrainerCallback):
         engine = self.engine
         if engine is not None:
             engine.synchronize()  # the last update may still run in the background
+
+
+def announce(engine: Engine, trainer) -> None:
+    """The one line that says megatrain trains this Trainer: at WARNING level, or printed to stderr where the
+    tool's logging configuration would hide it (as accelerate prints its state), so that a run under axolotl,
+    LLaMA-Factory or ``trl`` shows it."""
+    from importlib import metadata
+
+    from ...models.families import unwrap
+
+    try:
+        version = metadata.version("megatrain_hf")
+    except metadata.PackageNotFoundError:
+        version = "(not installed)"
+    line = (f"megatrain_hf {version}: {type(trainer).__name__} trains {type(unwrap(engine.model)).__name__} with "
+            f"megatrain ({len(engine.units)} streamed units, {engine.store.trainable_numel() / 1e6:.1f}M trainable "
+            f"parameters, {engine.store.host_bytes() / 2**30:.2f} GiB host, compute "
+            f"{str(engine.compute_dtype).replace('torch.', '')} on {engine.device}); checkpoints hold its "
+            "optimizer state in megatrain_optimizer/")
+    if _visible(logger, logging.WARNING):
+        logger.warning(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _visible(log: logging.Logger, level: int) -> bool:
+    """Whether a record of ``level`` on ``log`` reaches a handler that emits it (or Python's last resort)."""
+    if log.disabled or not log.isEnabledFor(level):
+        return False
+    found = False
+    current: logging.Logger | None = log
+    while current is not None:
+        for handler in current.handlers:
+            found = True
+            if handler.level <= level:
+                return True
+        current = current.parent if current.propagate else None
+    return not found and logging.lastResort is not None and logging.lastResort.level <= level

@@ -17,6 +17,7 @@ transformers changes what it overrides):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -154,7 +155,8 @@ def _staged_save_checkpoint(trainer, patcher: Patcher, original_save, original_g
         sharding.barrier()  # the staging folder exists before any rank writes into it
     staged = os.path.join(staging_root, name)
     try:
-        with patcher.temporarily(trainer, "_get_output_dir", lambda trial=None: staging_root):
+        with patcher.temporarily(trainer, "_get_output_dir", lambda trial=None: staging_root), \
+                _logged_as(staging_root, run_dir):
             original_save(model, trial)
     except BaseException:
         shutil.rmtree(staging_root, ignore_errors=True)
@@ -170,6 +172,40 @@ def _staged_save_checkpoint(trainer, patcher: Patcher, original_save, original_g
             sharding.barrier()
         return
     _commit(trainer, args, run_dir, name, final, staging_root, staged)
+
+
+class _PathFilter(logging.Filter):
+    """Shows the final folder where a log record names the staging one ("Saving model checkpoint to ...")."""
+
+    def __init__(self, hidden: str, shown: str) -> None:
+        super().__init__()
+        self.hidden, self.shown = hidden, shown
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and self.hidden in record.msg:
+            record.msg = record.msg.replace(self.hidden, self.shown)
+        if isinstance(record.args, tuple) and any(isinstance(a, str) and self.hidden in a for a in record.args):
+            record.args = tuple(a.replace(self.hidden, self.shown) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+@contextlib.contextmanager
+def _logged_as(hidden: str, shown: str):
+    """While saving into the staging folder, every log handler shows the checkpoint's final path instead."""
+    handlers = {id(h): h for h in logging.getLogger().handlers}
+    for log in list(logging.Logger.manager.loggerDict.values()):
+        if isinstance(log, logging.Logger):
+            handlers.update((id(h), h) for h in log.handlers)
+    if logging.lastResort is not None:
+        handlers[id(logging.lastResort)] = logging.lastResort
+    path_filter = _PathFilter(hidden, shown)
+    for handler in handlers.values():
+        handler.addFilter(path_filter)
+    try:
+        yield
+    finally:
+        for handler in handlers.values():
+            handler.removeFilter(path_filter)
 
 
 def _commit(trainer, args, run_dir: str, name: str, final: str, staging_root: str, staged: str) -> None:

@@ -20,6 +20,7 @@ import megatrain_hf
 from megatrain_hf.cli import COMMANDS, main
 from megatrain_hf.cli.launch import load_launch_config
 from megatrain_hf.config import ENV_VAR
+from megatrain_hf.integrations.reach import BOOT_DIR
 from megatrain_hf.memory.shapes import format_count
 from megatrain_hf.errors import MegatrainConfigError, UnsupportedModelError
 from tests.helpers import REPO_ROOT
@@ -221,9 +222,11 @@ def test_shipped_config_through_the_launcher(path, capsys):
     comments = [line[4:] for line in out if line.startswith("#   ")]
     assert yaml.safe_load("\n".join(comments)) == keys  # the accelerate part, as it will be written
     command = shlex.split(out[-1])
-    assert command[0] == f"{ENV_VAR}={json.dumps(config.to_dict())}"
-    assert command[1:5] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
-    assert command[6:] == ["-m", "megatrain_hf.run", str(SCRIPT), "--out", "a b.json"]
+    assert command[0] == f"PYTHONPATH={BOOT_DIR}" + "".join(os.pathsep + p for p in os.environ.get(
+        "PYTHONPATH", "").split(os.pathsep) if p and p != BOOT_DIR)  # megatrain's boot first (integrations/reach.py)
+    assert command[1] == f"{ENV_VAR}={json.dumps(config.to_dict())}"
+    assert command[2:6] == [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    assert command[7:] == ["-m", "megatrain_hf.run", str(SCRIPT), "--out", "a b.json"]
 
 
 def test_cpu_config_is_cpu_only():
@@ -280,6 +283,7 @@ def test_make_test_shows_skip_reasons_and_test_fast_skips_slow_tests():
     assert '-m pytest -m "not gpu" -q -rs' in _make("test")
     assert '-m pytest -m "not gpu and not slow" -q -rs' in _make("test-fast")
     assert "bash .ci/lower_bounds.sh" in _make("lower-bounds")
+    assert "bash .ci/integrations.sh" in _make("test-integrations")  # the tools' own commands (docs/integrations.md)
 
 
 def test_ci_runs_the_tests_then_the_lower_bounds_then_the_docs():
