@@ -26,6 +26,10 @@ from ...config import MegaTrainConfig
 if TYPE_CHECKING:
     from .plugin import MegaTrainPlugin
 
+PLUGIN: "type[MegaTrainPlugin] | None" = None
+"""The plugin class, registered by the package (``__init__.py``): this module never imports ``plugin.py``,
+which imports it."""
+
 logger = logging.getLogger(__name__)
 
 _original_init = None
@@ -36,9 +40,7 @@ _INIT_SIGNATURE = inspect.signature(Trainer.__init__)
 
 
 def _find_plugin(plugins, callbacks) -> "MegaTrainPlugin | None":
-    from .plugin import MegaTrainPlugin
-
-    found = [p for p in list(plugins or []) + list(callbacks or []) if isinstance(p, MegaTrainPlugin)]
+    found = [p for p in list(plugins or []) + list(callbacks or []) if isinstance(p, PLUGIN)]
     unique = list({id(p): p for p in found}.values())
     if len(unique) > 1:
         raise MegatrainConfigError(f"got {len(unique)} MegaTrainPlugin instances; pass one.")
@@ -46,11 +48,9 @@ def _find_plugin(plugins, callbacks) -> "MegaTrainPlugin | None":
 
 
 def _patched_init(self, *args, **kwargs):
-    from .plugin import MegaTrainPlugin
-
     plugins = kwargs.pop("plugins", None)
     for p in plugins or []:
-        if not isinstance(p, MegaTrainPlugin):
+        if not isinstance(p, PLUGIN):
             raise TypeError(
                 f"Trainer(plugins=...) accepts MegaTrainPlugin instances (added by megatrain_hf), got "
                 f"{type(p).__name__}. Pass callbacks through callbacks=."
@@ -59,7 +59,7 @@ def _patched_init(self, *args, **kwargs):
     params.pop("self")
     plugin = _find_plugin(plugins, params.get("callbacks"))
     if plugin is None and _enabled_config is not None:
-        plugin = MegaTrainPlugin(_enabled_config)
+        plugin = PLUGIN(_enabled_config)
     if plugin is None:
         return _original_init(self, *args, **kwargs)
 
