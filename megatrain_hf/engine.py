@@ -57,6 +57,16 @@ from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
 
+_STEPPED_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for engine in list(_STEPPED_ENGINES):
+        engine._on_optimizer_step(optimizer, args, kwargs)
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)
+
 
 class Engine:
     """Handle of an attached model. Build with :func:`attach`."""
@@ -173,13 +183,10 @@ class Engine:
                       self.store.mark_dirty, self._check_state_readable if self.store.remote else None,
                       frozenset(id(e.tensor) for u in self.store.remote for e in self.store.owned_trainable(u)))
         self._install_chunked_loss(unwrap(model))
-        # torch keeps global hooks forever: hold the engine weakly so a dropped model is freed
-        on_step = weakref.WeakMethod(self._on_optimizer_step)
-        handle = register_optimizer_step_post_hook(
-            lambda optimizer, args, kwargs: (m := on_step()) is not None and m(optimizer, args, kwargs)
-        )
-        patcher.on_undo(handle.remove)
-        weakref.finalize(self, handle.remove)
+        # torch keeps global hooks forever: one module-level hook dispatches to the live engines, held weakly,
+        # so a dropped model is freed and no hook is removed while torch iterates over them
+        _STEPPED_ENGINES.add(self)
+        patcher.on_undo(lambda: _STEPPED_ENGINES.discard(self))
         patcher.set_attr(model, "_megatrain_engine", self)
 
     def _install_chunked_loss(self, base: nn.Module) -> None:
