@@ -28,6 +28,7 @@ from megatrain_hf.optim import native  # noqa: E402
 from megatrain_hf.optim.compressed import EntryState  # noqa: E402
 from megatrain_hf.optim.kernels import GroupWork, native_update, torch_update  # noqa: E402
 from megatrain_hf.optim.moment_formats import format_of  # noqa: E402
+from megatrain_hf.optim.moment_store import Fp32State, layout_of  # noqa: E402
 
 
 def work(mode: str, sizes: list[int]) -> tuple[GroupWork, list[torch.Tensor]]:
@@ -45,12 +46,13 @@ def work(mode: str, sizes: list[int]) -> tuple[GroupWork, list[torch.Tensor]]:
             return torch.zeros(fmt.code_bytes(n) // (2 if mode == "bf16" else 1),
                                dtype=torch.bfloat16 if mode == "bf16" else torch.uint8)
 
-        compressed = [EntryState(n, (codes(n), codes(n)),
+        compressed = [EntryState(fmt, n, (codes(n), codes(n)),
                                  (torch.zeros(fmt.blocks(n)), torch.zeros(fmt.blocks(n))) if fmt.quantized else (None, None))
                       for n in sizes]
-    w = GroupWork(entries=[], steps=[torch.zeros(()) for _ in sizes], params=params, grads=grads, exp_avgs=m,
-                  exp_avg_sqs=v, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False,
-                  clip=None, compressed=compressed, fmt=fmt)
+    states = compressed if compressed is not None else [Fp32State(a, b) for a, b in zip(m, v)]
+    w = GroupWork(entries=[], steps=[torch.zeros(()) for _ in sizes], params=params, grads=grads, lr=1e-3,
+                  beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False, clip=None,
+                  layout=layout_of(fmt, {}, {}), states=states)
     return w, stages
 
 

@@ -2,9 +2,11 @@
 
 Nothing in the default path depends on this module: the engine builds :class:`KeepingGradSink`
 (a listener of its gradient sink) and the Trainer integration :class:`DeviceShareAdamW` only when
-the option is on.
+the option is on. It plugs into HostAdamW through its public ``scheduler=`` hook
+(``update_worker.py``) and runs each unit through the same per-unit update (``UnitUpdater``) with
+the device as its kernel; it overrides nothing of HostAdamW.
 
-* :class:`DeviceShareAdamW` runs a second worker that updates units on the compute device while
+* :class:`DeviceShareScheduler` runs a second worker that updates units on the compute device while
   the host worker updates the others. ``step()`` assigns the units in forward order, each to the
   worker that would finish it first at the rates both reached in the last step (list
   scheduling), so the next forward trails both; each worker runs its own units in order, then
@@ -23,6 +25,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import queue
+import threading
 
 import torch
 
@@ -30,6 +33,7 @@ from ..core.grads import GradSink, Sums
 from ..core.workers import start_worker
 from .host_adamw import HostAdamW
 from .kernels import UnitJob
+from .update_worker import JobBoard, UnitUpdater
 
 KEEP_DEVICE_FRACTION = 0.1
 """At most this fraction of the device's memory holds gradients kept for its share (the rest of
@@ -81,29 +85,36 @@ class KeepingGradSink:
         self._kept = {}
 
 
-class DeviceShareAdamW(HostAdamW):
-    """HostAdamW whose update is shared between the host and the compute device (see module docstring)."""
+class DeviceShareScheduler:
+    """HostAdamW's scheduler (``HostAdamW(scheduler=...)``, ``update_worker.py``) that shares a step's
+    units between the host worker and a device worker (see module docstring)."""
 
-    def __init__(self, *args, grad_sink: KeepingGradSink | None = None, stats=None, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, updater: UnitUpdater, gates, threads: int, device: torch.device,
+                 grad_sink: KeepingGradSink | None = None, stats=None) -> None:
+        self.updater, self.device = updater, device
+        self.board = JobBoard(gates)
         self.device_share = DEVICE_SHARE_START  # fraction of a step's elements given to the device
         self._rates: dict[str, list[float]] = {"host": [0, 0.0], "device": [0, 0.0]}  # elements, seconds
         self._grad_sink = grad_sink  # None under a GPU budget: nothing is kept on the device
         self._stats = stats  # an EngineStats: the link bytes of the device's share are counted there
-        self._link_bytes = (0, 0)  # ... as they accumulate (h2d, d2h), handed over at the next step()
+        self._link_bytes = (0, 0)  # ... as they accumulate (h2d, d2h), handed over at the next dispatch
+        self._stats_lock = threading.Lock()
         self._device_numel = 0
         self.kept_grad_units = 0  # device updates that read gradients the sink kept on the device
         self._kept: dict[int, dict[int, torch.Tensor]] = {}  # this step's kept gradients, per unit
-        cuda = self.device.type == "cuda"
-        self._up_stream = torch.cuda.Stream(self.device) if cuda else None  # state up, the update
-        self._down_stream = torch.cuda.Stream(self.device) if cuda else None  # state down, beside the next piece up
+        cuda = device.type == "cuda"
+        self._up_stream = torch.cuda.Stream(device) if cuda else None  # state up, the update
+        self._down_stream = torch.cuda.Stream(device) if cuda else None  # state down, beside the next piece up
+        self._queue: collections.deque[UnitJob] = collections.deque()
         self._device_queue: collections.deque[UnitJob] = collections.deque()
+        self._wake: queue.Queue = queue.Queue()
         self._device_wake: queue.Queue = queue.Queue()
+        self._worker = start_worker(self, self._wake, "_drain", threads, "megatrain-adamw")
         self._device_worker = start_worker(self, self._device_wake, "_drain_device", torch.get_num_threads(),
                                            "megatrain-adamw-device")  # (torch's thread count is per process)
 
     # ------------------------------------------------------------------ planning
-    def _dispatch(self, jobs: list[UnitJob]) -> None:
+    def dispatch(self, jobs: list[UnitJob]) -> None:
         if self._stats is not None:  # what the device's share moved in the last update (its pieces all landed)
             with self._stats_lock:
                 (h2d, d2h), self._link_bytes = self._link_bytes, (0, 0)
@@ -116,10 +127,8 @@ class DeviceShareAdamW(HostAdamW):
         self._kept = {u: held for u, held in kept.items() if u in may_run_on_device}
         if self._grad_sink is not None:  # the next step's split will be much the same: keep those gradients
             self._grad_sink.keep_on_device = self._keep_set(device_jobs)
-        for job in jobs:
-            self.store.gates.begin_update(job.unit, self._worker)
-        with self._cond:
-            self._pending += len(jobs)
+        self.board.begin(jobs, self._worker)
+        with self.board.cond:
             self._device_queue.extend(device_jobs)
             self._queue.extend(host_jobs)
         self._wake.put(True)
@@ -165,7 +174,7 @@ class DeviceShareAdamW(HostAdamW):
             keep.append(job.unit)
         return frozenset(keep)
 
-    def _skipped(self) -> None:
+    def skipped(self) -> None:
         if self._grad_sink is not None:
             self._grad_sink.take_device_grads()  # this step's copies: not needed, freed
 
@@ -180,7 +189,7 @@ class DeviceShareAdamW(HostAdamW):
         """This worker's own list in order, then the other worker's from its last job backwards (the
         units the next forward needs last), until none is left."""
         while True:
-            with self._cond:
+            with self.board.cond:
                 if own:
                     job = own.popleft()
                 elif other:
@@ -189,32 +198,24 @@ class DeviceShareAdamW(HostAdamW):
                     return
             self._run(job, on_device=on_device)
 
-    def _update(self, job: UnitJob, on_device: bool) -> None:
+    def _run(self, job: UnitJob, on_device: bool = False) -> None:
+        """Run one job on this thread (the device's share or the host's) and account for its time."""
         kept = self._kept.pop(job.unit, None)
-        if not on_device:
-            super()._update(job, on_device)
-            return
-        staging_was_fresh = self.store.staging.fresh(job.unit)
-        self._update_on_device(job, kept)
-        if kept:
-            with self._stats_lock:
-                self.kept_grad_units += 1
-        self.store.mark_dirty(job.unit)
-        if staging_was_fresh:
-            self.store.staging.written(job.unit)
+        if on_device:
+            elapsed = self.board.run(job, lambda j: self.updater.update(j, _OnDevice(self, kept)), "update_device")
         else:
-            self.store.staging.stage(job.unit)
-
-    def _account(self, job: UnitJob, on_device: bool, elapsed: float) -> None:
+            elapsed = self.board.run(job, self.updater.update)
         with self._stats_lock:
             if on_device:  # runs beside the host's updates: its time is not the host's
                 self._device_numel += job.numel
             else:
-                self._update_s += elapsed
-                self._updated_numel += job.numel
+                self.board.account(job.numel, elapsed)
             rate = self._rates["device" if on_device else "host"]
             rate[0] += job.numel
             rate[1] += elapsed
+
+    def take_update_stats(self) -> tuple[float, int]:
+        return self.board.take_update_stats()
 
     def take_device_numel(self) -> int:
         """Elements updated on the compute device since the last call."""
@@ -232,10 +233,10 @@ class DeviceShareAdamW(HostAdamW):
                 hyper = dict(lr=w.lr, beta1=w.beta1, beta2=w.beta2, weight_decay=w.weight_decay, eps=w.eps,
                              maximize=w.maximize)
                 batch, size = [], 0
-                for step, p, g, m, v, e in zip(w.steps, w.params, w.grads, w.exp_avgs, w.exp_avg_sqs, w.entries):
+                for step, p, g, s, e in zip(w.steps, w.params, w.grads, w.states, w.entries):
                     on_dev = kept is not None and e.offset in kept
-                    flats = [t.detach().reshape(-1) for t in (p, kept[e.offset] if on_dev else g, m, v)]
-                    stage = self.store.staging.slice(e)
+                    flats = [t.detach().reshape(-1) for t in (p, kept[e.offset] if on_dev else g, s.fp32(0), s.fp32(1))]
+                    stage = self.updater.store.staging.slice(e)
                     for lo in range(0, e.numel, DEVICE_UPDATE_CHUNK):
                         hi = min(lo + DEVICE_UPDATE_CHUNK, e.numel)
                         if batch and size + hi - lo > DEVICE_UPDATE_CHUNK:
@@ -299,22 +300,58 @@ class DeviceShareAdamW(HostAdamW):
             pieces.popleft().synchronize()
 
     # ------------------------------------------------------------------ lifetime
-    def _workers_alive(self) -> bool:
+    def wait(self) -> None:
+        self.board.wait(self.alive)
+
+    def alive(self) -> bool:
         return self._worker.is_alive() and self._device_worker.is_alive()
 
     def close(self) -> None:
         if self._grad_sink is not None:
             self._grad_sink.drop_device_grads()
-        super().close()
-        if self._device_worker.is_alive():
-            self._device_wake.put(None)
-            self._device_worker.join(timeout=60)
+        for worker, wake in ((self._worker, self._wake), (self._device_worker, self._device_wake)):
+            if worker.is_alive():
+                wake.put(None)
+                worker.join(timeout=60)
 
     def __del__(self) -> None:
-        super().__del__()
-        wake = getattr(self, "_device_wake", None)
-        if wake is not None:
-            wake.put(None)
+        for wake in (getattr(self, "_wake", None), getattr(self, "_device_wake", None)):
+            if wake is not None:
+                wake.put(None)
+
+
+class _OnDevice:
+    """The device's share as the per-unit update's kernel: it writes the staging copy of what it updates."""
+
+    writes_staging = True
+
+    def __init__(self, scheduler: DeviceShareScheduler, kept: dict[int, torch.Tensor] | None) -> None:
+        self.scheduler, self.kept = scheduler, kept
+
+    def run(self, job: UnitJob, staging) -> None:
+        self.scheduler._update_on_device(job, self.kept)
+        if self.kept:
+            with self.scheduler._stats_lock:
+                self.scheduler.kept_grad_units += 1
+
+
+class DeviceShareAdamW(HostAdamW):
+    """HostAdamW whose update is shared between the host and the compute device: a
+    :class:`DeviceShareScheduler` through the public ``scheduler=`` hook, nothing else changed."""
+
+    def __init__(self, *args, grad_sink: KeepingGradSink | None = None, stats=None, **kwargs) -> None:
+        device = kwargs.get("device") or torch.device("cpu")
+        super().__init__(*args, scheduler=lambda updater, gates, threads: DeviceShareScheduler(
+            updater, gates, threads, device, grad_sink, stats), **kwargs)
+
+    device_share = property(lambda self: self.scheduler.device_share,
+                            doc="The fraction of a step's elements the last split gave the device.")
+    kept_grad_units = property(lambda self: self.scheduler.kept_grad_units,
+                               doc="Device updates that read gradients the sink kept on the device.")
+
+    def take_device_numel(self) -> int:
+        """Elements updated on the compute device since the last call."""
+        return self.scheduler.take_device_numel()
 
 
 class _Piece:

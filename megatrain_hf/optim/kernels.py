@@ -7,16 +7,20 @@
   AdamW and the compute-dtype staging copy in one pass over memory, with torch's arithmetic op for
   op; the gradients are left as they are.
 
-With compressed moments (``optimizer_state`` other than fp32, ``quant.py``): :func:`torch_update`
-expands each tensor's moments to fp32, runs the same fused kernel and compresses them again (a
-tensor-sized fp32 copy at a time); :func:`native_update` passes the codes and scales to the C++,
-which expands, updates and compresses block by block in the same single pass (no fp32 copy).
+Both read the moments through the entry states of ``moment_store.py`` (no branch on the format):
+with fp32 moments :func:`torch_update` runs on views of the flats; with compressed ones
+(``optimizer_state`` other than fp32) ``fp32(k)`` expands each tensor's moments to an fp32 copy and
+``write_back`` compresses them again (a tensor-sized fp32 copy at a time). :func:`native_update`
+hands the group to its layout (``layout.native``): the fp32 flats, or the codes and scales that the
+C++ expands, updates and compresses block by block in the same single pass (no fp32 copy).
+
+:class:`TorchKernel` and :class:`NativeKernel` are the two as the per-unit update calls them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,8 +35,6 @@ class GroupWork:
     steps: list[torch.Tensor]  # per-parameter step counters (a parameter without a gradient keeps its count)
     params: list[torch.Tensor]
     grads: list[torch.Tensor]  # the gradient tensors themselves: zero_grad() may drop .grad meanwhile
-    exp_avgs: list[torch.Tensor]
-    exp_avg_sqs: list[torch.Tensor]
     lr: float | torch.Tensor
     beta1: float
     beta2: float
@@ -40,8 +42,8 @@ class GroupWork:
     eps: float
     maximize: bool
     clip: torch.Tensor | None  # clip_grad_norm_'s coefficient (< 1), or None
-    compressed: list | None = None  # compressed moments: each parameter's EntryState (exp_avgs unused)
-    fmt: object = None  # their quant.Format
+    layout: object = None  # the moments' layout (moment_store.Fp32Layout or compressed.CompressedLayout)
+    states: list = field(default_factory=list)  # each parameter's moments, bound while the update runs
 
     @property
     def numel(self) -> int:
@@ -61,10 +63,8 @@ class UnitJob:
 
 
 def torch_update(w: GroupWork) -> None:
-    exp_avgs, exp_avg_sqs = w.exp_avgs, w.exp_avg_sqs
-    if w.compressed is not None:
-        exp_avgs = [s.expand(w.fmt, 0).view(p.shape) for s, p in zip(w.compressed, w.params)]
-        exp_avg_sqs = [s.expand(w.fmt, 1).view(p.shape) for s, p in zip(w.compressed, w.params)]
+    exp_avgs = [s.fp32(0).view(p.shape) for s, p in zip(w.states, w.params)]
+    exp_avg_sqs = [s.fp32(1).view(p.shape) for s, p in zip(w.states, w.params)]
     torch._foreach_add_(w.steps, 1)
     # bf16 gradients (grad_dtype="bf16") are widened first (exact): an fp32 copy of the group
     grads = [g if g.dtype == torch.float32 else g.float() for g in w.grads]
@@ -75,10 +75,9 @@ def torch_update(w: GroupWork) -> None:
         beta2=w.beta2, weight_decay=w.weight_decay, eps=w.eps, maximize=w.maximize, grad_scale=None,
         found_inf=None,
     )
-    if w.compressed is not None:
-        for s, m, v in zip(w.compressed, exp_avgs, exp_avg_sqs):
-            s.assign(w.fmt, 0, m)
-            s.assign(w.fmt, 1, v)
+    for s, m, v in zip(w.states, exp_avgs, exp_avg_sqs):
+        s.write_back(0, m)
+        s.write_back(1, v)
 
 
 def native_update(lib, w: GroupWork, stages: list[torch.Tensor | None]) -> None:
@@ -98,11 +97,40 @@ def native_update(lib, w: GroupWork, stages: list[torch.Tensor | None]) -> None:
         scalars["eps"].append(w.eps)
         scalars["neg_step_size"].append(-(lr / (1 - w.beta1**n)))
     clip = float(w.clip) if w.clip is not None else 1.0
-    threads = torch.get_num_threads()
-    if w.compressed is not None:
-        codes = tuple([s.codes[k] for s in w.compressed] for k in (0, 1))
-        scales = tuple([s.scales[k] for s in w.compressed] for k in (0, 1))
-        native.adamw_compressed(lib, w.params, w.grads, codes, scales, stages, scalars, w.fmt, clip,
-                                bool(w.maximize), threads)
-        return
-    native.adamw(lib, w.params, w.grads, w.exp_avgs, w.exp_avg_sqs, stages, scalars, clip, bool(w.maximize), threads)
+    w.layout.native(lib, w, stages, scalars, clip, torch.get_num_threads())
+
+
+class TorchKernel:
+    """torch's fused AdamW; the staging copy is refreshed after it (``writes_staging`` False)."""
+
+    name = "torch"
+    writes_staging = False
+
+    def run(self, job: UnitJob, staging) -> None:
+        for w in job.work:
+            torch_update(w)
+
+
+class NativeKernel:
+    """``csrc/host_adamw.cpp``: writes the staging copy of what it updates in the same pass."""
+
+    name = "native"
+    writes_staging = True
+
+    def __init__(self, lib) -> None:
+        self.lib = lib
+
+    def run(self, job: UnitJob, staging) -> None:
+        for w in job.work:
+            native_update(self.lib, w, [staging.slice(e) for e in w.entries])
+
+
+def kernel_of(name: str):
+    """The kernel ``name`` ("torch" or "native"); the torch one where the native cannot be built here."""
+    if name == "native":
+        from . import native
+
+        lib = native.host_adamw()  # None (warned) if it cannot be built here
+        if lib is not None:
+            return NativeKernel(lib)
+    return TorchKernel()

@@ -184,34 +184,6 @@ class PagedState:
         with self.resident(u, write) as flats:
             yield {k: v for k, v in flats.items() if k != MASTER}
 
-    @contextlib.contextmanager
-    def paged_in(self, job, bind=None):
-        """A HostAdamW ``UnitJob`` with its moments' views in a slot; written back after the block. With
-        the unit's master in the file too, the job's staged parameters are the slot's master for the block,
-        which yields that master flat (else None).
-
-        ``bind(unit, tensors, work)``: points one of the job's ``GroupWork`` at the slot's tensors (the
-        compressed formats' entry states); default: views of fp32 ``exp_avg`` / ``exp_avg_sq`` flats."""
-        with self.resident(job.unit, write=True) as flats:
-            master = flats.get(MASTER)
-            params = [w.params for w in job.work]
-            try:
-                for w in job.work:
-                    if master is not None:  # staged entries come first in the flat: [0, n_staged)
-                        w.params = [_view(master, e) if e.offset < master.numel() else p
-                                    for e, p in zip(w.entries, w.params)]
-                    if bind is not None:
-                        bind(job.unit, flats, w)
-                        continue
-                    w.exp_avgs = [_view(flats["exp_avg"], e) for e in w.entries]
-                    w.exp_avg_sqs = [_view(flats["exp_avg_sq"], e) for e in w.entries]
-                yield master
-            finally:
-                for w, p in zip(job.work, params):  # no view of a slot outlives the block (the slot is reused)
-                    w.exp_avgs, w.exp_avg_sqs, w.params = [], [], p
-                    if w.compressed is not None:
-                        w.compressed = []
-
     def map(self, u: int, key: str) -> torch.Tensor:
         """Tensor ``key`` of unit ``u``'s file as a shared mapping of the file (reads and writes go to it
         through the page cache; valid while mapped, even once the file is removed)."""
@@ -303,24 +275,6 @@ class PagedState:
     def _raise(self) -> None:
         if self._error is not None:
             raise self._error
-
-
-def _view(flat: torch.Tensor, e) -> torch.Tensor:
-    return flat[e.offset : e.offset + e.numel].view(e.shape)
-
-
-def fill_state_dict(optimizer, out: dict) -> None:
-    """Put the paged moments of HostAdamW ``optimizer`` into its ``state_dict()`` ``out`` (copies, in RAM)."""
-    index: dict = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            index.setdefault(p, len(index))
-    for u, groups in optimizer._plan.items():
-        with optimizer.unit_state(u) as flats:  # (the moments only)
-            for entries in groups.values():
-                for e in entries:
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        out["state"][index[e.tensor]][key] = _view(flats[key], e).clone()
 
 
 def master_units(store, units, offload_masters) -> list[int]:

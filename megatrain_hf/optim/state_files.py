@@ -140,7 +140,7 @@ def _layout(optimizer, u: int) -> dict[str, list]:
     index = _indices(optimizer)
     return {
         str(gi): [[index[id(e.tensor)], e.offset, list(e.shape)] for e in entries]
-        for gi, entries in optimizer._plan[u].items()
+        for gi, entries in optimizer.groups_of(u).items()
     }
 
 
@@ -154,7 +154,7 @@ def save_optimizer(optimizer, folder: str) -> None:
     os.makedirs(folder, exist_ok=True)
     hyper = json.dumps(_encode(_hyper(optimizer)))
     units = list(optimizer.all_units)
-    for u in optimizer._plan:
+    for u in optimizer.units:
         with optimizer.unit_state(u) as tensors:  # paged in from the disk tier when it is there
             _save_unit(optimizer, folder, u, units, hyper, dict(tensors))
     fsync_path(folder)
@@ -171,7 +171,7 @@ def _save_unit(optimizer, folder: str, u: int, units: list[int], hyper: str, ten
         "units": json.dumps(units),
         "numel": str(optimizer.store.n_train(u)),
         "steps": json.dumps(
-            {str(gi): [float(step) for step in optimizer._steps[(u, gi)]] for gi in optimizer._plan[u]}
+            {str(gi): [float(step) for step in optimizer.step_counters(u, gi)] for gi in optimizer.groups_of(u)}
         ),
         "layout": json.dumps(_layout(optimizer, u)),
         "param_groups": hyper,
@@ -224,7 +224,7 @@ def load_optimizer(optimizer, folder: str) -> None:
 
     optimizer.synchronize()
     units = list(optimizer.all_units)
-    headers = {u: meta for u, meta in _read_headers(folder, units).items() if u in optimizer._plan}
+    headers = {u: meta for u, meta in _read_headers(folder, units).items() if u in optimizer.units}
     mode = optimizer.format.mode
     for u, meta in headers.items():  # validate everything before changing anything
         saved_mode = meta.get("optimizer_state", "fp32")
@@ -254,7 +254,7 @@ def load_optimizer(optimizer, folder: str) -> None:
             for name, tensor in tensors.items():  # exp_avg / exp_avg_sq, or the compressed codes and scales
                 tensor.copy_(f.get_tensor(name))
         for gi, saved in json.loads(meta["steps"]).items():
-            counters = optimizer._steps[(u, int(gi))]
+            counters = optimizer.step_counters(u, int(gi))
             saved = saved if isinstance(saved, list) else [saved] * len(counters)  # one value per group
             for counter, value in zip(counters, saved):
                 counter.fill_(value)

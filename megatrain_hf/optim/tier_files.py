@@ -21,7 +21,8 @@ import weakref
 import torch
 
 from .compressed import unit_spec
-from .paged_state import DEFAULT_WINDOW, MASTER, PagedState, move_masters
+from .moment_store import PagedHome
+from .paged_state import DEFAULT_WINDOW, MASTER, PagedState, master_units, move_masters
 from .moment_formats import format_of
 
 logger = logging.getLogger(__name__)
@@ -88,3 +89,21 @@ class AttachTier:
         """Remove the files (the parameters keep their mapping of the masters: valid once the files are gone)."""
         if self.pager is not None:
             self.pager.close()
+
+
+def open_tier(owner, store, layout, paged, offload_masters, offload_dir: str, window: int | None,
+              disk_io: str) -> PagedHome:
+    """The disk tier of ``owner`` (an optimizer) for the units ``paged`` of its moments' ``layout``: the files
+    the engine made at attach where they fit (the masters already in them), else files of its own with the
+    masters of ``offload_masters`` moved there."""
+    masters = master_units(store, paged, offload_masters)
+    files = tier_layout({u: layout.specs[u] for u in paged}, {u: store.n_staged(u) for u in masters})
+    window = window or DEFAULT_WINDOW
+    tier = store.master_files  # the files the engine made at attach, the masters already in them
+    pager = tier.adopt(owner, files, window, disk_io) if tier is not None else None
+    if pager is not None:
+        ref = weakref.ref(owner)  # (no cycle through the optimizer's own tier)
+        return PagedHome(layout, pager, masters, lambda: tier.release(ref()))  # they keep holding the masters
+    pager = PagedState(offload_dir, files, window, disk_io=disk_io)
+    move_masters(pager, store, masters)  # (from RAM, or from the attach tier's mapping)
+    return PagedHome(layout, pager, masters, pager.close)  # close removes the run's directory

@@ -437,7 +437,7 @@ def test_device_update_kept_gradients_equal_uploaded_ones(tmp_path, monkeypatch)
     each unit's sum once (layer-major); a kept copy that were stale or partial would differ."""
     import collections
 
-    from megatrain_hf.optim.device_update import DeviceShareAdamW
+    from megatrain_hf.optim.device_update import DeviceShareScheduler
 
     shape = {**SHAPE, "attention_dropout": 0.0}
     args = dict(bf16=True, gradient_accumulation_steps=2, max_steps=4)
@@ -445,14 +445,14 @@ def test_device_update_kept_gradients_equal_uploaded_ones(tmp_path, monkeypatch)
     def fixed_split(self, jobs):
         return [j for j in jobs if j.unit % 2 == 1], [j for j in jobs if j.unit % 2 == 0]
 
-    drain = DeviceShareAdamW._drain_lists
-    monkeypatch.setattr(DeviceShareAdamW, "_assign", fixed_split)
-    monkeypatch.setattr(DeviceShareAdamW, "_drain_lists",
+    drain = DeviceShareScheduler._drain_lists
+    monkeypatch.setattr(DeviceShareScheduler, "_assign", fixed_split)
+    monkeypatch.setattr(DeviceShareScheduler, "_drain_lists",
                         lambda self, own, other, on_device: drain(self, own, collections.deque(), on_device))
     runs = []
     for keep in (True, False):
         if not keep:
-            monkeypatch.setattr(DeviceShareAdamW, "_keep_set", lambda self, jobs: frozenset())
+            monkeypatch.setattr(DeviceShareScheduler, "_keep_set", lambda self, jobs: frozenset())
         model = tiny_model("llama", **shape)
         trainer, losses = train(model, _args(tmp_path / f"keep{keep}", **args), dataset=_data(),
                                 callbacks=[MegaTrainPlugin(device_update=True)])

@@ -13,7 +13,7 @@ from transformers import TrainerCallback
 
 from tests.helpers import LogRecorder, assert_close_losses, state_of, tiny_model, train, training_args
 from megatrain_hf import MegaTrainPlugin, attach, engine_of
-from megatrain_hf.optim.device_update import DeviceShareAdamW
+from megatrain_hf.optim.device_update import DeviceShareAdamW, DeviceShareScheduler
 from megatrain_hf.optim.kernels import UnitJob
 
 
@@ -44,7 +44,8 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
     opt = DeviceShareAdamW(_groups(models[1]), store=engine.store, lr=3e-3, betas=(0.9, 0.95), eps=1e-7,
                            kernel="torch")
     on_device, on_host = [], []
-    run_on_device, run_job = opt._update_on_device, opt._run
+    scheduler = opt.scheduler
+    run_on_device, run_job = scheduler._update_on_device, scheduler._run
     both_started = threading.Barrier(2, timeout=20)  # each end takes its first unit before either goes on
 
     def device(job, kept):
@@ -64,16 +65,16 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
     on_device_seen = []
 
     assigned = []
-    assign = opt._assign
+    assign = scheduler._assign
 
     def record_assignment(jobs):
         device_jobs, host_jobs = assign(jobs)
         assigned.append(([j.unit for j in device_jobs], [j.unit for j in host_jobs]))
         return device_jobs, host_jobs
 
-    monkeypatch.setattr(opt, "_update_on_device", device)
-    monkeypatch.setattr(opt, "_run", host_or_device)
-    monkeypatch.setattr(opt, "_assign", record_assignment)
+    monkeypatch.setattr(scheduler, "_update_on_device", device)
+    monkeypatch.setattr(scheduler, "_run", host_or_device)
+    monkeypatch.setattr(scheduler, "_assign", record_assignment)
     for step in range(4):
         torch.manual_seed(step)
         grads = {n: torch.randn_like(p) for n, p in models[0].named_parameters()}
@@ -87,8 +88,8 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
             optimizer.step()
             optimizer.zero_grad()
         opt.synchronize()
-        units = len(opt._plan)
-        assert sorted(on_device + on_host) == sorted(opt._plan) and on_device and on_host, (on_host, on_device)
+        units = len(opt.units)
+        assert sorted(on_device + on_host) == sorted(opt.units) and on_device and on_host, (on_host, on_device)
         device_units, host_units = assigned.pop()
         assert device_units and host_units
         for seq, own, other in ((on_host, host_units, device_units), (on_device, device_units, host_units)):
@@ -110,7 +111,7 @@ def test_device_update_shares_the_units_and_matches_torch_fused_adamw(monkeypatc
             assert torch.equal(staged, p.detach().reshape(-1).to(torch.bfloat16)), n
     assert all(engine.store.staging.fresh(u) for u, b in enumerate(engine.store.buffers) if b.staging_host is not None)
     opt.close()
-    assert not opt._device_worker.is_alive()
+    assert not scheduler._device_worker.is_alive()
 
 
 
@@ -132,9 +133,9 @@ def test_assignment_follows_the_measured_rates(rates, pattern):
     opt = DeviceShareAdamW(_groups(model), store=engine.store)
     try:
         host_rate, device_rate = rates
-        opt._rates = {"host": [int(host_rate * 1000), 1.0], "device": [int(device_rate * 1000), 1.0]}
+        opt.scheduler._rates = {"host": [int(host_rate * 1000), 1.0], "device": [int(device_rate * 1000), 1.0]}
         jobs = [UnitJob(u, [types.SimpleNamespace(numel=10)]) for u in range(6)]
-        device_jobs, host_jobs = opt._assign(jobs)
+        device_jobs, host_jobs = opt.scheduler._assign(jobs)
         got = "".join("D" if any(j.unit == u for j in device_jobs) else "H" for u in range(6))
         assert got == pattern
         assert [j.unit for j in host_jobs] == sorted(j.unit for j in host_jobs)  # both in forward order
@@ -148,13 +149,13 @@ def test_assignment_follows_the_measured_rates(rates, pattern):
 def test_trainer_with_device_update_equals_plain_trainer(tmp_path, accumulation, monkeypatch):
     """The device's units read the gradients the sink kept on the device (from the second step on:
     the first step's split decides which units keep them); results bitwise plain Trainer's."""
-    original = DeviceShareAdamW._assign
+    original = DeviceShareScheduler._assign
 
     def pinned(self, jobs):  # the split at its starting share: the measured rates of two workers on a shared
         self._rates = {"host": [0, 0.0], "device": [0, 0.0]}  # 2-core CPU can leave the device no unit at all
         return original(self, jobs)
 
-    monkeypatch.setattr(DeviceShareAdamW, "_assign", pinned)
+    monkeypatch.setattr(DeviceShareScheduler, "_assign", pinned)
     args = dict(gradient_accumulation_steps=accumulation, max_grad_norm=0.05)  # clipping active
     ref_model = tiny_model("llama")
     _, ref_losses = train(ref_model, training_args(tmp_path / "ref", **args))

@@ -56,12 +56,12 @@ def test_masters_on_disk_equal_the_in_ram_run(tmp_path, kernel, accumulation):
             inside = mapped.data_ptr() <= e.tensor.data_ptr() < mapped.data_ptr() + 4 * mapped.numel()
             assert inside == (e.offset < store.buffers[u].n_staged), e.name
     # the plan's disk bytes are the files' (masters included), one read and one write per unit per step
-    assert engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
-    assert optimizer._pager.bytes_written >= 6 * optimizer._pager.disk_bytes()
+    assert engine.state_tier.disk_bytes == optimizer.disk_tier.disk_bytes()
+    assert optimizer.disk_tier.bytes_written >= 6 * optimizer.disk_tier.disk_bytes()
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
-    assert optimizer._pager is store.master_files.pager  # the files the engine made at attach, adopted
-    run_dir = optimizer._pager.run_dir
+    assert optimizer.disk_tier is store.master_files.pager  # the files the engine made at attach, adopted
+    run_dir = optimizer.disk_tier.run_dir
     optimizer.close()
     assert os.path.exists(run_dir)  # they hold the masters: the engine's until it detaches
     engine.detach()
@@ -92,7 +92,7 @@ def _hand_run(offload_dir, window=None, optimizers=1, steps=3):
     for k in range(optimizers):
         opt = HostAdamW(model.parameters(), engine.store, lr=1e-2, state="8bit", offload_dir=offload_dir,
                         offload_masters=offload_dir is not None, offload_window=window)
-        used.append(opt._pager)
+        used.append(opt.disk_tier)
         losses += [_step(model, opt, seed + 10 * k) for seed in range(steps)]
         opt.close()
     return model, engine, losses, used
@@ -142,8 +142,8 @@ def test_eight_bit_moments_and_masters_on_disk_equal_the_in_ram_run(tmp_path, ke
     trainer, got, losses = _run(tmp_path, "all", "all", options=options)
     optimizer, store, units = _paged(trainer)
     assert units and optimizer.moments.nbytes() == 0
-    assert optimizer._pager is store.master_files.pager  # the attach tier's files, laid out for 8-bit moments
-    assert got._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
+    assert optimizer.disk_tier is store.master_files.pager  # the attach tier's files, laid out for 8-bit moments
+    assert got._megatrain_engine.state_tier.disk_bytes == optimizer.disk_tier.disk_bytes()
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
 
@@ -298,9 +298,9 @@ def test_auto_puts_the_fewest_masters_on_disk_when_moments_on_disk_are_not_enoug
     trainer, losses = train(model, training_args(tmp_path / "auto", bf16=True), callbacks=[MegaTrainPlugin(config)])
     optimizer = trainer.optimizer.optimizer
     staged = [u for u, s in enumerate(sizes) if s.n_staged]
-    assert len(optimizer._pager.units) == len([s for s in sizes if s.n_train])  # every unit's moments
+    assert len(optimizer.disk_tier.units) == len([s for s in sizes if s.n_train])  # every unit's moments
     assert 0 < len(optimizer.master_units) < len(staged) and optimizer.master_units[-1] == staged[-1]
-    assert model._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
+    assert model._megatrain_engine.state_tier.disk_bytes == optimizer.disk_tier.disk_bytes()
     monkeypatch.undo()
     _, ref, ref_losses = _run(tmp_path, "ram", model=tiny_model("llama", **layers), options=dict(host_staging=True))
     assert losses == ref_losses

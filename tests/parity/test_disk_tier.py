@@ -43,12 +43,12 @@ def test_moments_on_disk_equal_the_in_ram_run(tmp_path, accumulation):
     _, ref, ref_losses = _run(tmp_path, "ram", gradient_accumulation_steps=accumulation)
     trainer, got, losses = _run(tmp_path, "disk", disk, gradient_accumulation_steps=accumulation)
     optimizer = trainer.optimizer.optimizer
-    assert isinstance(optimizer, HostAdamW) and optimizer._pager is not None
-    assert optimizer._exp_avg == {}  # no moment lives in RAM outside the window
-    assert optimizer._pager.bytes_written >= 6 * optimizer._pager.disk_bytes()  # every unit, every step
+    assert isinstance(optimizer, HostAdamW) and optimizer.disk_tier is not None
+    assert optimizer.moments.in_ram == {}  # no moment lives in RAM outside the window
+    assert optimizer.disk_tier.bytes_written >= 6 * optimizer.disk_tier.disk_bytes()  # every unit, every step
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
-    run_dir = optimizer._pager.run_dir
+    run_dir = optimizer.disk_tier.run_dir
     assert os.path.basename(run_dir).startswith(RUN_DIR_PREFIX) and (os.stat(run_dir).st_mode & 0o777) == 0o700
     optimizer.close()
     assert not os.path.exists(run_dir) and os.listdir(disk) == []
@@ -64,11 +64,11 @@ def test_compressed_moments_on_disk_equal_the_in_ram_run(tmp_path, mode, accumul
     trainer, got, losses = _run(tmp_path, "disk", tmp_path / "disk", options=options,
                                 gradient_accumulation_steps=accumulation)
     optimizer = trainer.optimizer.optimizer
-    assert optimizer.kernel == kernel and optimizer.moments is not None and optimizer._pager is not None
-    assert optimizer.moments.tensors == {} and optimizer.moments.nbytes() == 0  # no moment in RAM outside the window
+    assert optimizer.kernel == kernel and optimizer.moments.format.mode != "fp32" and optimizer.disk_tier is not None
+    assert optimizer.moments.in_ram == {} and optimizer.moments.nbytes() == 0  # no moment in RAM outside the window
     # the plan's bytes of the tier are the files' (one rule: memory/host_tiers.moment_parts, aligned)
-    assert got._megatrain_engine.state_tier.disk_bytes == optimizer._pager.disk_bytes()
-    assert optimizer._pager.bytes_written >= 6 * optimizer._pager.disk_bytes()  # every unit, every step
+    assert got._megatrain_engine.state_tier.disk_bytes == optimizer.disk_tier.disk_bytes()
+    assert optimizer.disk_tier.bytes_written >= 6 * optimizer.disk_tier.disk_bytes()  # every unit, every step
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
     # state_dict() expands the paged codes as it expands those in RAM
@@ -89,7 +89,7 @@ def test_lora_with_moments_on_disk_equals_the_in_ram_run(tmp_path):
     (tmp_path / "disk").mkdir()
     _, ref, ref_losses = _run(tmp_path, "ram", model=lora())
     trainer, got, losses = _run(tmp_path, "disk", tmp_path / "disk", model=lora())
-    assert trainer.optimizer.optimizer._pager is not None
+    assert trainer.optimizer.optimizer.disk_tier is not None
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
 
@@ -111,7 +111,7 @@ def test_resume_with_moments_on_disk_equals_the_uninterrupted_in_ram_run(tmp_pat
     trainer, resumed_losses = train(resumed, training_args(tmp_path / "disk", **args),
                                     callbacks=[MegaTrainPlugin(config)],
                                     resume=str(tmp_path / "disk" / "checkpoint-3"))
-    assert trainer.optimizer.optimizer._pager is not None
+    assert trainer.optimizer.optimizer.disk_tier is not None
     assert resumed_losses == ref_losses[len(ref_losses) // 2:]
     assert_same_state(state_of(ref), state_of(resumed))
     assert optimizer_files(tmp_path / "ram" / "checkpoint-6") == optimizer_files(tmp_path / "disk" / "checkpoint-6")
@@ -228,11 +228,11 @@ def test_auto_puts_the_fewest_units_on_disk_when_ram_is_short(tmp_path, monkeypa
     current = sum(p.numel() * 4 for p in model.parameters())
     monkeypatch.setattr(host, "available_host_bytes", lambda: host.DEFAULT_HEADROOM_BYTES + needed - 1 - current)
     trainer, losses = train(model, training_args(tmp_path / "auto"), callbacks=[MegaTrainPlugin(config)])
-    tier = trainer.optimizer.optimizer._pager
+    tier = trainer.optimizer.optimizer.disk_tier
     assert 0 < len(tier.units) < len(units) - 1 and max(tier.units) == len(units) - 1  # the last units
     moments = trainer.optimizer.optimizer.moments
-    if moments is not None:  # the other units' codes and scales are in RAM, the paged ones' are not
-        assert moments.tensors and set(moments.tensors).isdisjoint(tier.units)
+    # the other units' moments (fp32 flats, or codes and scales) are in RAM, the paged ones' are not
+    assert moments.in_ram and set(moments.in_ram).isdisjoint(tier.units)
     monkeypatch.undo()
     _, ref, ref_losses = _run(tmp_path, "ram", model=tiny_model("llama", **layers), options=dict(optimizer_state=mode))
     assert losses == ref_losses

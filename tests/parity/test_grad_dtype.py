@@ -137,6 +137,7 @@ def test_native_kernel_bf16_gradients_equal_their_fp32_values(mode):
     from megatrain_hf.optim.compressed import EntryState
     from megatrain_hf.optim.kernels import GroupWork, native_update
     from megatrain_hf.optim.moment_formats import format_of
+    from megatrain_hf.optim.moment_store import Fp32State, layout_of
 
     fmt = format_of(mode)
     sizes = [7, (1 << 18) + 333, 1000, 3 * (1 << 17) + 129]
@@ -155,13 +156,14 @@ def test_native_kernel_bf16_gradients_equal_their_fp32_values(mode):
                 return torch.zeros(fmt.code_bytes(n) // (2 if mode == "bf16" else 1),
                                    dtype=torch.bfloat16 if mode == "bf16" else torch.uint8)
 
-            compressed = [EntryState(n, (codes(n), codes(n)), (torch.zeros(fmt.blocks(n)), torch.zeros(fmt.blocks(n)))
+            compressed = [EntryState(fmt, n, (codes(n), codes(n)), (torch.zeros(fmt.blocks(n)), torch.zeros(fmt.blocks(n)))
                                      if fmt.quantized else (None, None)) for n in sizes]
         for step in range(3):
             w = GroupWork(entries=[], steps=[torch.full((), float(step)) for _ in sizes], params=params,
-                          grads=[x if bf16 else x.float() for x in grads16], exp_avgs=m, exp_avg_sqs=v, lr=1e-3,
+                          grads=[x if bf16 else x.float() for x in grads16], lr=1e-3,
                           beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=step == 1,
-                          clip=torch.tensor(0.37), compressed=compressed, fmt=fmt)
+                          clip=torch.tensor(0.37), layout=layout_of(fmt, {}, {}),
+                          states=compressed if compressed is not None else [Fp32State(a, b) for a, b in zip(m, v)])
             native_update(native.host_adamw(), w, stages)
         state = m + v if compressed is None else [t for s in compressed for t in (*s.codes, *s.scales) if t is not None]
         return params + stages + state

@@ -158,17 +158,17 @@ def test_host_adamw_load_state_dict_copies_in_place(monkeypatch):
     saved = opt.state_dict()
     saved = {"param_groups": saved["param_groups"],
              "state": {i: {k: v.clone() for k, v in st.items()} for i, st in saved["state"].items()}}
-    flats = {u: (m.data_ptr(), v.data_ptr()) for (u, m), v in zip(opt._exp_avg.items(), opt._exp_avg_sq.values())}
+    flats = {u: (t["exp_avg"].data_ptr(), t["exp_avg_sq"].data_ptr()) for u, t in opt.moments.in_ram.items()}
     for u in flats:  # scribble over the live state: the load must restore every byte of it
-        opt._exp_avg[u].fill_(7.0)
-        opt._exp_avg_sq[u].fill_(7.0)
+        opt.moments.in_ram[u]["exp_avg"].fill_(7.0)
+        opt.moments.in_ram[u]["exp_avg_sq"].fill_(7.0)
     def no_copies(*args, **kwargs):
         raise AssertionError("torch built a new tensor for a state value: a second copy of the moments")
 
     monkeypatch.setattr(torch.optim.Optimizer, "_process_value_according_to_param_policy", no_copies)
     opt.load_state_dict(saved)
     monkeypatch.undo()
-    assert {u: (m.data_ptr(), v.data_ptr()) for (u, m), v in zip(opt._exp_avg.items(), opt._exp_avg_sq.values())} == flats
+    assert {u: (t["exp_avg"].data_ptr(), t["exp_avg_sq"].data_ptr()) for u, t in opt.moments.in_ram.items()} == flats
     up = models[1].model.layers[0].mlp.up_proj.weight
     assert opt.state[up]["exp_avg"].data_ptr() >= min(p for p, _ in flats.values())
     assert float(opt.state[up]["step"]) == 2.0

@@ -362,7 +362,7 @@ def test_nan_gradient_skips_the_step(tmp_path, caplog, max_grad_norm):
     assert "non-finite gradient norm (nan) at optimizer step 3" in caplog.text
     optimizer = trainer.optimizer.optimizer
     assert optimizer.skipped_steps == 1
-    assert {float(s) for counts in optimizer._steps.values() for s in counts} == {5.0}  # 6 steps, one skipped
+    assert {float(optimizer.state[p]["step"]) for g in optimizer.param_groups for p in g["params"]} == {5.0}  # 6 steps, one skipped
     logged = [h["megatrain/skipped_steps"] for h in logs.logs if "megatrain/skipped_steps" in h]
     assert logged[:2] == [0.0, 0.0] and logged[2:] == [1.0] * 4
 
@@ -436,14 +436,14 @@ def test_dead_update_thread_does_not_hang(monkeypatch):
     def die(job):
         raise SystemExit  # ends the worker thread without running the update or releasing the unit
 
-    optimizer._drain = die
+    optimizer.scheduler._drain = die
     optimizer.step()
     with deadline(20):
         with pytest.raises(BackgroundWorkerError, match="ended before finishing its update"):
             engine.synchronize()
         with pytest.raises(BackgroundWorkerError, match="worker thread died"):
             optimizer.synchronize()
-        optimizer._pending = 0
+        optimizer.scheduler.board.pending = 0
         with pytest.raises(BackgroundWorkerError, match="worker thread is not running"):
             optimizer.step()
         with torch.no_grad():

@@ -47,9 +47,9 @@ def test_deepspeed_engine_trains_bitwise_like_the_thread_pool(tmp_path, accumula
     _needs_deepspeed(tmp_path)
     opt_ref, ref, ref_losses = _run(tmp_path, "threads", "threads", gradient_accumulation_steps=accumulation)
     opt, got, losses = _run(tmp_path, "deepspeed", "deepspeed", gradient_accumulation_steps=accumulation)
-    assert type(opt_ref._pager.io) is DiskIO and type(opt._pager.io) is disk_engines.DeepSpeedIO
-    assert opt._pager.bytes_written == opt_ref._pager.bytes_written > 0
-    assert opt._pager.bytes_read > 0 and opt_ref._pager.bytes_read > 0  # how many depends on timing (window hits)
+    assert type(opt_ref.disk_tier.io) is DiskIO and type(opt.disk_tier.io) is disk_engines.DeepSpeedIO
+    assert opt.disk_tier.bytes_written == opt_ref.disk_tier.bytes_written > 0
+    assert opt.disk_tier.bytes_read > 0 and opt_ref.disk_tier.bytes_read > 0  # how many depends on timing (window hits)
     assert losses == ref_losses
     a, b = state_of(ref), state_of(got)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
@@ -69,7 +69,7 @@ def test_a_failed_deepspeed_read_raises_in_the_training_thread(tmp_path):
         def on_step_end(self, args, state, control, optimizer=None, **kwargs):
             if state.global_step == 2:
                 optimizer.optimizer.synchronize()
-                pager = optimizer.optimizer._pager
+                pager = optimizer.optimizer.disk_tier
                 u = min(u for u in pager.units if pager._slot_of(u) is None)  # read again in step 3
                 cut.append(os.path.join(pager.run_dir, pager._files[u].name))
                 os.truncate(cut[0], 4096)
