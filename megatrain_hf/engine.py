@@ -49,7 +49,7 @@ from .memory.budget import GpuBudget
 from .memory import activations
 from .memory import host as host_memory
 from .memory.host import DEFAULT_HEADROOM_BYTES
-from .optim.tier_files import AttachTier
+from .optim.tier_files import TierFiles
 from .plan import Machine, Run, check, resolve
 from .runtime import layer_major
 from .runtime.streamed_call import Unit, UnitRunner
@@ -91,9 +91,9 @@ class Engine:
             frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize))
         self.sharding = UnitSharding(len(named), plan.ownership.timeout_s) if plan.ownership.sharded else None
         self.state_tier = tiers = plan.disk.tiers
-        on_unit = None  # masters on disk: each unit's go to its file as soon as the store has filled it
-        if tiers.masters and plan.optimizer.moments is not None:
-            on_unit = AttachTier(plan.disk.dir, tiers.units, tiers.masters, plan.optimizer.moments.mode, plan.disk.io,
+        on_unit = None  # the disk tier's files, made once; masters on disk go there as soon as the store filled them
+        if tiers.on_disk and plan.optimizer.moments is not None:
+            on_unit = TierFiles(plan.disk.dir, tiers.units, tiers.masters, plan.optimizer.moments.mode, plan.disk.io,
                                  plan.disk.window)
         self.host_threads = plan.optimizer.threads
         self._raise_threads(self.host_threads)
@@ -234,6 +234,21 @@ class Engine:
         """Call after changing parameters in place through ``.data`` (nothing else needs it)."""
         self.store.mark_dirty()
 
+    def host_optimizer(self, optimizer: torch.optim.Optimizer):
+        """A HostAdamW with ``optimizer``'s groups and hyper-parameters (a plain AdamW), built from the plan:
+        its moment format, kernel and threads, and the disk tier's files made at attach (a
+        ``DeviceShareAdamW`` under ``device_update``)."""
+        from .optim.host_adamw import HostAdamW
+
+        sections = dict(plan=self.plan.optimizer, device=self.device)
+        if self.plan.optimizer.device_update:
+            from .optim.device_update import DeviceShareAdamW
+
+            # the device's units keep their gradients on the GPU, unless a GPU budget has no room planned for them
+            sink = self.grad_keeper if self.plan.optimizer.device_keeps_grads else None
+            return DeviceShareAdamW.from_plan(optimizer, self.store, **sections, grad_sink=sink, stats=self.stats)
+        return HostAdamW.from_plan(optimizer, self.store, **sections)
+
     def detach(self) -> None:
         """Undo every change to the model. Parameters stay in host RAM (in the store's flats)."""
         self.synchronize()
@@ -242,8 +257,8 @@ class Engine:
         if self.streams is not None:
             self.streams.synchronize()  # no copy still reads the flats we unpin
         self.grads.close()
-        if self.store.master_files is not None:
-            self.store.master_files.close()  # the parameters keep their mapping of the masters
+        if self.store.tier_files is not None:
+            self.store.tier_files.close()  # the parameters keep their mapping of the masters
         self.store.release()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, optimizer=None, defer: bool = True,

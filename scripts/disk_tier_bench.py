@@ -145,7 +145,7 @@ def main() -> None:
         "base_rss_bytes": base_rss, "steps_peak_above_base_B_per_param": (steps_peak - base_rss) / trainable,
         "peak_above_base_B_per_param": (peak - base_rss) / trainable, "loader": args.loader,
         "attach_peak_B_per_param": attach_peak / trainable, "built_peak_B_per_param": built_peak / trainable,
-        "adopted_attach_tier": engine.store.master_files is not None and opt._pager is engine.store.master_files.pager,
+        "adopted_attach_tier": engine.store.tier_files is not None and opt.disk_tier is engine.store.tier_files.pager,
         "ram_bytes": ram, "ram_B_per_param": {k: v / trainable for k, v in ram.items()},
         "update_elements_per_s": trainable / steps[-1]["update_s"],
         "o_direct": all(opt._pager.io.direct.values()) if opt._pager else None,

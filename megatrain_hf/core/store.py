@@ -165,7 +165,7 @@ class HostStore:
                         else NoStaging(self))
         self.accumulators = GradAccumulators(self, grad_dtype)
         self.ownership = (ownership or LocalOwnership()).bind(self)
-        self.master_files = None  # the disk tier's files holding masters, if ``on_unit`` made them (optim/tier_files.py)
+        self.tier_files = None  # the disk tier's files (moments, masters), if ``on_unit`` made them (optim/tier_files.py)
         self._allocate(sources, ranges, stored_quantized, on_unit)
         self.gates = UnitGates(self.names)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from .kernels import GroupWork, UnitJob, kernel_of
 from .moment_formats import format_of
 from .moment_store import NO_STATE, MomentStore, NoTier, layout_of
 from .update_worker import HostWorker, UnitUpdater
+
+if TYPE_CHECKING:
+    from ..plan import OptimizerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +114,14 @@ class HostAdamW(torch.optim.Optimizer):
         defaults = {k: optimizer.defaults[k] for k in ("lr", "betas", "eps", "weight_decay", "maximize")}
         return cls(groups, store, **defaults, **kwargs)
 
+    @classmethod
+    def from_plan(cls, optimizer: torch.optim.Optimizer, store: HostStore, plan: OptimizerPlan,
+                  device: torch.device, **kwargs) -> "HostAdamW":
+        """:meth:`from_optimizer` with the plan's optimizer section (moment format, kernel, threads); the
+        disk tier is the store's (the files the engine made at attach from the plan's disk section)."""
+        return cls.from_optimizer(optimizer, store, host_threads=plan.threads, kernel=plan.kernel, device=device,
+                                  state=plan.moments.mode, **kwargs)
+
     @property
     def units(self) -> list[int]:
         """The units this optimizer updates (those holding its parameters), in update order."""
@@ -148,10 +160,12 @@ class HostAdamW(torch.optim.Optimizer):
         layout = layout_of(self.format, {u: [e for es in groups.values() for e in es] for u, groups in self._plan.items()},
                            {u: self.store.n_train(u) for u in self._plan})
         tier = NoTier()
-        if offload_dir is None and self.store.master_files is not None:
-            logger.warning("megatrain: the masters of this model are on disk (offload_state='all'), but this HostAdamW "
-                           "has no offload_dir: the update reads and writes them through their mapping. Fix: build "
-                           "it through the engine (engine.host_optimizer), which passes the disk tier.")
+        files = self.store.tier_files  # the disk tier the engine's plan made at attach
+        if offload_dir is None and files is not None:  # this optimizer pages it too: none built on the store misses it
+            options = files.options()
+            offload_dir, offload_units, offload_masters = (options[k] for k in ("offload_dir", "offload_units",
+                                                                                 "offload_masters"))
+            offload_window, disk_io = options["offload_window"], options["disk_io"]
         if offload_dir is not None:
             from .tier_files import open_tier
 

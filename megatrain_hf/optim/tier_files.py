@@ -1,16 +1,18 @@
-"""The disk tier made while the model attaches, so that the fp32 masters never all exist in RAM.
+"""The disk tier's files, made once while the model attaches (so the fp32 masters never all exist in RAM).
 
-With the masters on disk (``offload_state="all"``, or ``"auto"`` choosing them) the engine knows at
-attach which units' masters and moments go to disk and in which format (``optimizer_state``).
-:class:`AttachTier` is the host store's ``on_unit`` hook: at the first unit it creates the tier's
-files, laid out as HostAdamW lays them out (:func:`tier_layout`), and as soon as each unit's flats
-are filled it moves that unit's staged masters into its file (``paged_state.move_masters``): at most
-one unit's masters are in RAM at any time, from loading to the end of the run.
+With the optimizer state on disk (``offload_dir``; ``offload_state`` "moments", "all" or "auto"
+choosing them) the engine's plan knows at attach which units' moments (and masters) go to disk and
+in which format (``optimizer_state``). :class:`TierFiles` is the host store's ``on_unit`` hook: at
+the first unit it creates the tier's files, laid out as HostAdamW lays them out (:func:`tier_layout`),
+and as soon as each unit's flats are filled it moves that unit's staged masters into its file
+(``paged_state.move_masters``): at most one unit's masters are in RAM at any time.
 
-HostAdamW then pages these files (:meth:`AttachTier.adopt`) when they are laid out for it (same units
-and format, window and I/O engine) and no other live optimizer pages them; otherwise it makes files
-of its own and moves the masters there from the mapping (correct; the masters' bytes twice on disk).
-A second optimizer adopting the files starts from zero moments, as a fresh one does.
+A HostAdamW built on that store pages these files (:func:`open_tier`): one built through the engine
+(``engine.host_optimizer``) or by hand without disk arguments takes the plan's tier, so none can miss
+it. Only one built by hand with disk arguments of its own (another window, I/O engine or set of
+units), or while another live optimizer pages the files, makes files of its own (the masters then
+move there from the mapping: correct, their bytes twice on disk). A second optimizer on the files
+starts from zero moments, as a fresh one does.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ def tier_layout(specs: dict[int, dict], n_staged: dict[int, int]) -> dict[int, d
     return {u: ({MASTER: (n_staged[u], torch.float32)} if u in n_staged else {}) | specs[u] for u in sorted(specs)}
 
 
-class AttachTier:
-    """The store's ``on_unit`` hook that puts ``masters``' staged masters on disk as the store fills them,
-    in the files of the moments of ``units`` in ``optimizer_state``'s format; then the tier an optimizer adopts."""
+class TierFiles:
+    """The store's ``on_unit`` hook that makes the files of the moments of ``units`` in ``optimizer_state``'s
+    format and puts ``masters``' staged masters in them as the store fills them; then the tier the optimizer
+    pages (``store.tier_files``)."""
 
     def __init__(self, offload_dir: str, units, masters, optimizer_state: str, disk_io: str = "threads",
                  window: int = DEFAULT_WINDOW) -> None:
@@ -48,12 +51,18 @@ class AttachTier:
 
     def __call__(self, store, u: int) -> None:
         if self.pager is None:
-            specs = {v: unit_spec(self.format, store.owned_trainable(v), store.n_train(v)) for v in self.units}
+            specs = {v: unit_spec(self.format, store.owned_trainable(v), store.n_train(v))
+                     for v in self.units if store.owns(v)}  # (under data parallelism: this rank's units)
             self.pager = PagedState(self.offload_dir, tier_layout(specs, {v: store.n_staged(v) for v in self.masters}),
                                     self.window, disk_io=self.disk_io)
-            store.master_files = self
+            store.tier_files = self
         if u in self.masters:
             move_masters(self.pager, store, [u])
+
+    def options(self) -> dict:
+        """The disk arguments of a HostAdamW that pages these files."""
+        return dict(offload_dir=self.offload_dir, offload_units=self.units, offload_masters=self.masters,
+                    offload_window=self.window, disk_io=self.disk_io)
 
     def adopt(self, optimizer, layout: dict, window: int, disk_io: str) -> PagedState | None:
         """The files for ``optimizer``, whose tier would be ``layout`` paged through ``window`` slots by
@@ -80,10 +89,14 @@ class AttachTier:
         return pager
 
     def release(self, optimizer) -> None:
-        """``optimizer`` (closed) no longer pages the files; they stay, holding the masters."""
+        """``optimizer`` (closed) no longer pages the files: they stay where they hold masters, else they are
+        removed (as an optimizer's own files are; a later optimizer makes new ones)."""
         if self._user is not None and self._user() is optimizer:
-            self.pager.flush()
             self._user = None
+            if self.masters:
+                self.pager.flush()
+            else:
+                self.pager.close()
 
     def close(self) -> None:
         """Remove the files (the parameters keep their mapping of the masters: valid once the files are gone)."""
@@ -99,7 +112,7 @@ def open_tier(owner, store, layout, paged, offload_masters, offload_dir: str, wi
     masters = master_units(store, paged, offload_masters)
     files = tier_layout({u: layout.specs[u] for u in paged}, {u: store.n_staged(u) for u in masters})
     window = window or DEFAULT_WINDOW
-    tier = store.master_files  # the files the engine made at attach, the masters already in them
+    tier = store.tier_files  # the files the engine made at attach, the masters already in them
     pager = tier.adopt(owner, files, window, disk_io) if tier is not None else None
     if pager is not None:
         ref = weakref.ref(owner)  # (no cycle through the optimizer's own tier)

@@ -36,7 +36,7 @@ def test_bf16_masters_on_disk_match_the_in_ram_run(tmp_path):
     assert optimizer.master_units and store.pin and engine_of(runs["all"][2].model).device.type == "cuda"
     assert all(store.buffers[u].master_host is None and store.buffers[u].master_paged is not None
                for u in optimizer.master_units)
-    assert optimizer.disk_tier is store.master_files.pager  # the files made while the model attached
+    assert optimizer.disk_tier is store.tier_files.pager  # the files made while the model attached
     assert_close_losses(runs["ram"][0], runs["all"][0], 2e-2)
     for n, p in runs["ram"][1].items():  # each tensor's whole update, relative to its size (as test_cuda_parity)
         ref, got = p - init[n], runs["all"][1][n] - init[n]

@@ -60,7 +60,7 @@ def test_masters_on_disk_equal_the_in_ram_run(tmp_path, kernel, accumulation):
     assert optimizer.disk_tier.bytes_written >= 6 * optimizer.disk_tier.disk_bytes()
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
-    assert optimizer.disk_tier is store.master_files.pager  # the files the engine made at attach, adopted
+    assert optimizer.disk_tier is store.tier_files.pager  # the files the engine made at attach, adopted
     run_dir = optimizer.disk_tier.run_dir
     optimizer.close()
     assert os.path.exists(run_dir)  # they hold the masters: the engine's until it detaches
@@ -101,21 +101,21 @@ def _hand_run(offload_dir, window=None, optimizers=1, steps=3):
 def test_masters_leave_ram_unit_by_unit_while_the_model_attaches(tmp_path, monkeypatch):
     """With the masters on disk the store's hook moves each unit's staged masters into its file as soon as the
     unit is filled: when unit u's flats are made, no earlier unit's staged masters are in RAM any more."""
-    from megatrain_hf.optim.tier_files import AttachTier
+    from megatrain_hf.optim.tier_files import TierFiles
 
     seen = []
-    original = AttachTier.__call__
+    original = TierFiles.__call__
 
     def watch(self, store, u):
         seen.append([v for v, b in enumerate(store.buffers[:-1]) if b.master_host is not None and b.n_staged])
         original(self, store, u)
         assert store.buffers[u].master_host is None or not store.buffers[u].n_staged
 
-    monkeypatch.setattr(AttachTier, "__call__", watch)
+    monkeypatch.setattr(TierFiles, "__call__", watch)
     (tmp_path / "d").mkdir()
     model, engine, _, used = _hand_run(str(tmp_path / "d"), steps=1)
     assert len(seen) == len(engine.store.buffers) and all(v == [] for v in seen)
-    assert engine.state_tier.masters and used[0] is engine.store.master_files.pager
+    assert engine.state_tier.masters and used[0] is engine.store.tier_files.pager
     engine.detach()
 
 
@@ -126,10 +126,10 @@ def test_optimizers_on_the_attach_tier_equal_the_in_ram_run(tmp_path):
     (tmp_path / "b").mkdir()
     ref, _, ref_losses, _ = _hand_run(None, optimizers=2)
     got, engine, losses, used = _hand_run(str(tmp_path / "a"), optimizers=2)
-    assert used[0] is used[1] is engine.store.master_files.pager and losses == ref_losses
+    assert used[0] is used[1] is engine.store.tier_files.pager and losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
     other, other_engine, other_losses, other_used = _hand_run(str(tmp_path / "b"), window=3)
-    assert other_used[0] is not other_engine.store.master_files.pager and other_losses == ref_losses[:3]
+    assert other_used[0] is not other_engine.store.tier_files.pager and other_losses == ref_losses[:3]
     engine.detach()
     other_engine.detach()
     assert os.listdir(tmp_path / "a") == [] and os.listdir(tmp_path / "b") == []
@@ -142,7 +142,7 @@ def test_eight_bit_moments_and_masters_on_disk_equal_the_in_ram_run(tmp_path, ke
     trainer, got, losses = _run(tmp_path, "all", "all", options=options)
     optimizer, store, units = _paged(trainer)
     assert units and optimizer.moments.nbytes() == 0
-    assert optimizer.disk_tier is store.master_files.pager  # the attach tier's files, laid out for 8-bit moments
+    assert optimizer.disk_tier is store.tier_files.pager  # the attach tier's files, laid out for 8-bit moments
     assert got._megatrain_engine.state_tier.disk_bytes == optimizer.disk_tier.disk_bytes()
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))

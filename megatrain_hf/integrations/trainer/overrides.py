@@ -87,21 +87,7 @@ def _check_compressible(plugin, optimizer: torch.optim.Optimizer, kept: bool) ->
 
 
 def _host_optimizer(plugin, optimizer: torch.optim.Optimizer) -> HostAdamW:
-    engine = plugin.engine
-    plan = engine.plan
-    kwargs = dict(host_threads=plan.optimizer.threads, kernel=plan.optimizer.kernel, device=engine.device,
-                  state=plan.optimizer.moments.mode)
-    tiers = plan.disk.tiers
-    if tiers.on_disk:  # the plan put the moments (and masters) of these units on disk (offload_dir)
-        kwargs.update(offload_dir=plan.disk.dir, offload_units=tiers.units, offload_masters=tiers.masters,
-                      disk_io=plan.disk.io, offload_window=plan.disk.window)
-    if plan.optimizer.device_update:
-        from ...optim.device_update import DeviceShareAdamW
-
-        # the device's units keep their gradients on the GPU, unless a GPU budget has no room planned for them
-        sink = engine.grad_keeper if plan.optimizer.device_keeps_grads else None
-        return DeviceShareAdamW.from_optimizer(optimizer, engine.store, grad_sink=sink, stats=engine.stats, **kwargs)
-    return HostAdamW.from_optimizer(optimizer, engine.store, **kwargs)
+    return plugin.engine.host_optimizer(optimizer)  # the plan's format, kernel, threads and disk tier
 
 
 def _install_entry_points(patcher: Patcher, plugin, trainer) -> None:
