@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,9 +37,6 @@ from .kernels import GroupWork, UnitJob, kernel_of
 from .moment_formats import format_of
 from .moment_store import NO_STATE, MomentStore, NoTier, layout_of
 from .update_worker import HostWorker, UnitUpdater
-
-if TYPE_CHECKING:
-    from ..plan import OptimizerPlan
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +111,10 @@ class HostAdamW(torch.optim.Optimizer):
         return cls(groups, store, **defaults, **kwargs)
 
     @classmethod
-    def from_plan(cls, optimizer: torch.optim.Optimizer, store: HostStore, plan: OptimizerPlan,
-                  device: torch.device, **kwargs) -> "HostAdamW":
-        """:meth:`from_optimizer` with the plan's optimizer section (moment format, kernel, threads); the
+    def from_plan(cls, optimizer: torch.optim.Optimizer, store: HostStore, plan, device: torch.device,
+                  **kwargs) -> "HostAdamW":
+        """:meth:`from_optimizer` with the plan's optimizer section (``plan.OptimizerPlan``, a layer above:
+        moment format, kernel, threads); the
         disk tier is the store's (the files the engine made at attach from the plan's disk section)."""
         return cls.from_optimizer(optimizer, store, host_threads=plan.threads, kernel=plan.kernel, device=device,
                                   state=plan.moments.mode, **kwargs)
