@@ -112,7 +112,7 @@ def main() -> None:
         start = time.perf_counter()
         model(input_ids=ids, labels=ids).loss.backward()
         compute_s = time.perf_counter() - start
-        pager = opt._pager
+        pager = opt.disk_tier
         before = (pager.bytes_read, pager.bytes_written) if pager else (0, 0)
         start = time.perf_counter()
         opt.step()
@@ -134,9 +134,8 @@ def main() -> None:
            + sum(2 * b.grad_low.numel() for b in bufs if b.grad_low is not None),
            "staging": sum(b.staging_host.numel() * b.staging_host.element_size() for b in bufs
                           if b.staging_host is not None),
-           "moments": sum(t.numel() * 4 for t in (*opt._exp_avg.values(), *opt._exp_avg_sq.values()))
-           + (opt.moments.nbytes() if opt.moments is not None else 0),
-           "window": opt._pager.ram_bytes() if opt._pager else 0}
+           "moments": opt.moments.nbytes(),
+           "window": opt.disk_tier.ram_bytes() if opt.disk_tier else 0}
     print(json.dumps({
         "offload_dir": args.offload_dir, "offload_state": args.offload_state if args.offload_dir else None,
         "compute": "bf16" if args.bf16 else "fp32", "optimizer_state": args.optimizer_state, "kernel": opt.kernel,
@@ -148,8 +147,8 @@ def main() -> None:
         "adopted_attach_tier": engine.store.tier_files is not None and opt.disk_tier is engine.store.tier_files.pager,
         "ram_bytes": ram, "ram_B_per_param": {k: v / trainable for k, v in ram.items()},
         "update_elements_per_s": trainable / steps[-1]["update_s"],
-        "o_direct": all(opt._pager.io.direct.values()) if opt._pager else None,
-        "disk_io_engine": type(opt._pager.io).__name__ if opt._pager else None, "steps": steps,
+        "o_direct": all(opt.disk_tier.io.direct.values()) if opt.disk_tier else None,
+        "disk_io_engine": type(opt.disk_tier.io).__name__ if opt.disk_tier else None, "steps": steps,
     }, indent=2))
     opt.close()
 

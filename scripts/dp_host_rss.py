@@ -112,8 +112,7 @@ def rank_main(args) -> None:
     engine = megatrain_hf.engine_of(model)
     result = {"rank": targs.process_index, "baseline_kib": baseline_kib, "vmhwm_kib": _kib("/proc/self/status", "VmHWM"),
               "samples": sampler.samples, "store_bytes": engine.store.host_bytes(),
-              "optimizer_bytes": sum(t.numel() * 4 for t in (*trainer.optimizer.optimizer._exp_avg.values(),
-                                                             *trainer.optimizer.optimizer._exp_avg_sq.values())),
+              "optimizer_bytes": trainer.optimizer.optimizer.moments.nbytes(),
               "params": sum(p.numel() for p in model.parameters())}
     with open(f"{args.out}.rank{targs.process_index}", "w") as f:
         json.dump(result, f)

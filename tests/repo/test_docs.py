@@ -320,3 +320,36 @@ if __name__ == "__main__":
         print(f"wrote the field reference of {CONFIG_DOC.relative_to(ROOT)}")
     else:
         print(render_config_fields())
+
+
+def _weight_path_rows() -> list[tuple[list[str], str]]:
+    """(modules, what happens) of each row of architecture.md's "path of one weight" table."""
+    text = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    section = text[text.index("### The path of one weight through one step") :]
+    section = section[: section.index("\n#", 4)]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[1].startswith("`"):
+            rows.append((re.findall(r"`([^`]+\.py)`", cells[1]), cells[2]))
+    return rows
+
+
+def test_the_path_of_one_weight_names_modules_and_classes_that_exist():
+    rows = _weight_path_rows()
+    assert len(rows) >= 15
+    problems = []
+    for modules, what in rows:
+        assert modules, what
+        named = [m for m in modules + re.findall(r"`([\w/]+\.py)`", what)]
+        for module in named:
+            if not (ROOT / "megatrain_hf" / module).is_file():
+                problems.append(f"no module megatrain_hf/{module}")
+        loaded = [importlib.import_module("megatrain_hf." + m[:-3].replace("/", ".")) for m in modules
+                  if (ROOT / "megatrain_hf" / m).is_file()]
+        for token in re.findall(r"`([A-Z]\w*(?:\.\w+)?)(?:\([^`]*\))?`", what):
+            cls_name, _, attr = token.partition(".")
+            owners = [getattr(mod, cls_name) for mod in loaded if hasattr(mod, cls_name)]
+            if not owners or (attr and not any(hasattr(c, attr) for c in owners)):
+                problems.append(f"{token} is not in {modules}")
+    assert not problems, "architecture.md's path of one weight is stale:\n" + "\n".join(problems)
