@@ -6,7 +6,7 @@ over memory with torch's arithmetic op for op, see ``kernels.py``). What differs
 state lives: ``exp_avg`` / ``exp_avg_sq`` are one contiguous fp32 flat per unit, laid out like the
 unit's master flat, so the update runs unit by unit (unit 0 first) and the state is saved and
 loaded per unit. ``state=`` other than ``"fp32"`` keeps them compressed instead (bf16, or 8-/4-bit
-blockwise codes with per-block scales: ``quant.py``, ``compressed.py``), expanded only inside the
+blockwise codes with per-block scales: ``moment_formats.py``, ``compressed.py``), expanded only inside the
 update. ``step()`` snapshots hyper-parameters and gradients and returns; the next
 forward's fetch of unit ``u`` waits for unit ``u``'s update only (``core/readiness.py``).
 
@@ -84,7 +84,8 @@ class HostAdamW(torch.optim.Optimizer):
         self.format = format_of(state)  # refuses an unknown format, naming the allowed ones
         self.device = device if device is not None else torch.device("cpu")  # where the uploads run
         # no upload may still read a staging flat the update rewrites (CUDA: copies in flight)
-        self._uploads_done = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else _nothing
+        device = self.device  # (not self: no reference cycle keeps a dropped optimizer's worker alive)
+        self._uploads_done = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else _nothing
         self._kernel = kernel_of(kernel)
         self.kernel = self._kernel.name
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
