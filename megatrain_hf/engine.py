@@ -140,6 +140,7 @@ class Engine:
                                  INPUT_KWARGS, prepare_graph_call)
         self.runner.tile_policy = activations.tile_policy(plan.activations.tile_tokens, plan.activations.compute_bytes,
                                                           self.budget.budget)
+        self.runner.layer_recipe = self.family.layer_recipe  # whole decoder layers tiled (models/layer_recipes.py)
         self.runner.checkpoint_interval = plan.activations.checkpoint_interval
         if plan.activations.offload_checkpoints is True:
             self._start_offload()

@@ -39,6 +39,7 @@ class EngineStats:
     forward_units: int = 0
     backward_units: int = 0
     tiled_calls: int = 0  # unit computes (forwards and recomputes) whose MLP ran over sequence tiles
+    tiled_layer_calls: int = 0  # of those, the ones whose every per-token operation ran over tiles (a layer recipe)
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     tokens: int = 0  # token ids entering the embedding in training calls

@@ -47,7 +47,7 @@ from ..core.template import HookRecord, Mirror, Template
 from .autocast import autocast_state
 from .activation_inputs import ActivationInputs, DeviceHome, HostHome
 from .grads_in_place import embedding_weights, embeddings_into, landing_regions
-from .tiling import tileable_mlp, tiled
+from .tiling import mlp_width, tileable_mlp, tiled, tiled_layer
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,9 @@ class UnitRunner:
         self._end_queued = None  # graph-task id of the pass whose end callback is queued
         # (tokens, hidden, intermediate width) -> tokens per MLP tile or None; set by the engine (None: never tiled)
         self.tile_policy: Callable[[int, int, int], int | None] | None = None
+        # the family's layer recipe (models/layer_recipes.py): decoder layers tile whole; None: the MLP alone
+        self.layer_recipe: Any = None
+        self._declined: set[str] = set()  # reasons a layer ran without its recipe, logged once each
 
     @property
     def offload(self):
@@ -247,10 +250,15 @@ class UnitRunner:
         call.hooks.seen = []
         module = unit.template.bind(tensors, unit.mirror, call.hooks if hooks else None, recompute)
         try:
-            with self._autocast(None), tiled(module, self._tile_for(module, x)) as tiling:
-                self.stats.tiled_calls += tiling
+            tile = self._tile_for(module, x)
+            recipe = self._recipe_for(unit.name, module, call) if tile else None
+            with self._autocast(None), tiled(module, tile if recipe is None else None) as tiling:
+                self.stats.tiled_calls += tiling or recipe is not None
                 # forward, not __call__: the real unit's __call__ already ran its own hooks
-                if call.input_key is None:
+                if recipe is not None:
+                    self.stats.tiled_layer_calls += 1
+                    out = tiled_layer(recipe, module, x, call.kwargs, tile)
+                elif call.input_key is None:
                     out = module.forward(x, *call.args, **call.kwargs)
                 else:
                     out = module.forward(*call.args, **{call.input_key: x}, **call.kwargs)
@@ -271,8 +279,18 @@ class UnitRunner:
         mlp = tileable_mlp(module)
         if mlp is None:
             return None
-        width = max(m.out_features for m in mlp.modules() if isinstance(m, nn.Linear))
-        return self.tile_policy(x.numel() // x.shape[-1], x.shape[-1], width)
+        return self.tile_policy(x.numel() // x.shape[-1], x.shape[-1], mlp_width(mlp))
+
+    def _recipe_for(self, name: str, module: nn.Module, call: Call):
+        """The layer recipe that tiles ``module``'s call whole, or None (its MLP tiles alone; why: logged once)."""
+        recipe = self.layer_recipe
+        if recipe is None or call.input_key not in (None, "hidden_states"):
+            return None
+        why = recipe.why_not(module, call.args, call.kwargs)
+        if why is not None and why not in self._declined:
+            self._declined.add(why)
+            logger.info("megatrain: %s runs with only its MLP sequence-tiled: %s", name, why)
+        return recipe if why is None else None
 
     def recompute_backward(self, call: Call, x: torch.Tensor, grad_out: torch.Tensor,
                            grad_seen: tuple = ()) -> torch.Tensor | None:
