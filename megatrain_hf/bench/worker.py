@@ -249,6 +249,7 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
     tokens = args.micro_batch * args.seq_len * args.grad_accum
     lora = getattr(args, "lora_rank", None) is not None  # LoRA: the frozen base costs no weight gradients
     flops = model_flops_per_step(shape, args.seq_len, tokens, params if lora else None)
+    flops_causal = model_flops_per_step(shape, args.seq_len, tokens, params if lora else None, "palm_causal")
     mean_s, median_s = summary["step_time_mean_s"], summary["step_time_median_s"]
     gib = 2**30
     cuda = args.device == "cuda"
@@ -262,6 +263,8 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
         "tokens_per_s": tokens / mean_s,
         "tokens_per_s_median_step": tokens / median_s,
         "tflops": flops / mean_s / 1e12,
+        "model_flops_per_step_causal": flops_causal,
+        "tflops_causal": flops_causal / mean_s / 1e12,
         "gpu_peak_allocated_gib": max(torch.cuda.max_memory_allocated(_cuda_index()), engine_peaks[0]) / gib
         if cuda else None,
         "gpu_peak_reserved_gib": max(torch.cuda.max_memory_reserved(_cuda_index()), engine_peaks[1]) / gib
