@@ -295,8 +295,13 @@ def test_plan_arithmetic_at_512k_tokens():
     assert plan.gpu_logits == (2**26 // 152064) * 152064 * 14 < 2**30  # one chunk: 441 tokens
     assert plan.sequence_tile_tokens == 4096
     untiled = plan_memory(shape, seq_len=seq, micro_batch=1, sequence_tile_tokens=None)
-    mlp = seq * 4 * 2 * shape.intermediate
-    assert untiled.gpu_layer_working_set - plan.gpu_layer_working_set == mlp - 4096 * 6 * 2 * shape.intermediate
+    h, q, kv, c = shape.hidden, shape.q_dim, shape.kv_dim, 2
+    assert untiled.gpu_layer_working_set == seq * (c * (2 * h + 2 * q + 2 * kv) + 24 * h + 4 * c * shape.intermediate)
+    # tiled whole: q, k, v, attention output (+ copy), their grads, fp32 dq, fp32 out / grad out / grad in; one tile
+    full = seq * (c * (5 * q + 4 * kv) + 4 * q + 12 * h)
+    tile = 4096 * (6 * c * shape.intermediate + c * (2 * h + 3 * q + 3 * kv) + 24 * h)
+    assert plan.gpu_layer_working_set == full + tile
+    assert plan.gpu_layer_working_set < untiled.gpu_layer_working_set / 2
     every4 = plan_memory(shape, seq_len=seq, micro_batch=1, checkpoint_interval=4)
     assert every4.gpu_checkpoints == (8 + 1) * seq * shape.hidden * 4  # ceil(29 / 4) of layers + norm, the head
     assert every4.gpu_recomputed_inputs == 3 * seq * shape.hidden * 4
