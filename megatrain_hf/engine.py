@@ -141,6 +141,8 @@ class Engine:
         self.runner.tile_policy = activations.tile_policy(plan.activations.tile_tokens, plan.activations.compute_bytes,
                                                           self.budget.budget)
         self.runner.layer_recipe = self.family.layer_recipe  # whole decoder layers tiled (models/layer_recipes.py)
+        self._longest_sequence = 0
+        self.runner.on_sequence = self._check_sequence
         self.runner.checkpoint_interval = plan.activations.checkpoint_interval
         if plan.activations.offload_checkpoints is True:
             self._start_offload()
@@ -171,6 +173,14 @@ class Engine:
                         "(MegaTrainConfig.host_threads)", before, threads)
             torch.set_num_threads(threads)
             self.patcher.on_undo(lambda: torch.set_num_threads(before))
+
+    def _check_sequence(self, seq: int) -> None:
+        """A training sequence longer than any before: the plan's rules that depend on the length
+        (the attention kernel at long context, ``plan.py``)."""
+        if seq > self._longest_sequence:
+            config = getattr(unwrap(self.model), "config", None)
+            self.plan.check(seq_len=seq, attention=getattr(config, "_attn_implementation", None))
+            self._longest_sequence = seq
 
     def _set_flops_model(self, model: nn.Module, located) -> None:
         self.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)

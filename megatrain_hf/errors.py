@@ -34,6 +34,11 @@ class IncompatibleOptionsError(MegatrainConfigError):
 
 
 # ---------------------------------------------------------------------------------- models, data, files
+class AttentionKernelError(IncompatibleOptionsError):
+    """Long context asked of an attention kernel that materialises the ``seq x seq`` scores (HF's
+    eager attention): the rule of ``plan.py``, checked when a training sequence first reaches it."""
+
+
 class UnsupportedModelError(MegatrainError, ValueError):
     """The model (or the checkpoint it is read from) has a family, layout, dtype or placement that
     megatrain cannot stream."""
@@ -114,7 +119,8 @@ class BackgroundWorkerError(MegatrainError, RuntimeError):
 
 
 __all__ = [
-    "MegatrainError", "MegatrainConfigError", "IncompatibleOptionsError", "UnsupportedModelError",
+    "MegatrainError", "MegatrainConfigError", "IncompatibleOptionsError", "AttentionKernelError",
+    "UnsupportedModelError",
     "TrainingDataError", "CheckpointError", "UnreadableCheckpointError", "UsageError", "AttachedModelError",
     "StreamedCallError", "DependencyError", "UnitCallableError", "UnsupportedTrlError", "HostMemoryError",
     "PinnedMemoryError", "DiskSpaceError", "DiskIOError", "CollectiveError", "BackgroundWorkerError",

@@ -27,7 +27,7 @@ from .config import MegaTrainConfig
 from .core.grad_accumulators import BF16_FIX
 from .core.grads import MAX_PENDING_SENDS
 from .core.layout import UnitSizes
-from .errors import IncompatibleOptionsError
+from .errors import AttentionKernelError, IncompatibleOptionsError
 from .memory import disk as disk_memory
 from .memory import host as host_memory
 from .memory.disk import DiskTier
@@ -86,6 +86,8 @@ class Run:
     grad_accum: int | None = None  # micro-batches per optimizer step
     optimizer: OptimizerChoice | None = None
     emulated_streams: bool = False  # the CUDA transfer pipelines emulated on the CPU (tests)
+    seq_len: int | None = None  # the longest training sequence seen so far (the engine, per new maximum)
+    attention: str | None = None  # the model's attention kernel (config._attn_implementation)
 
 
 # ---------------------------------------------------------------------------------- the plan's sections
@@ -234,7 +236,27 @@ def _masters_need_staging(why: str) -> Callable[[_Facts], str]:
                       "offload_state='moments'.")
 
 
+LONG_CONTEXT_TOKENS = 16384
+"""From this many tokens per sequence a kernel that materialises the scores is refused: HF's eager
+attention holds ``heads x seq x seq`` scores and probabilities per layer (32 heads at 16K tokens:
+16 GiB of bf16 scores for one sequence, and as much again for their gradient)."""
+
+
+def _eager_at_long_context(f: _Facts) -> str:
+    n = f.run.seq_len
+    return (f"megatrain: a training sequence of {n} tokens with attn_implementation='eager': HF's eager attention "
+            f"materialises the scores of every head ({n} x {n} = {n * n / 2**30:.2f} Gi elements per head and layer, "
+            "with their softmax and gradients), which no sequence tiling bounds. Fix: load the model with "
+            "attn_implementation='sdpa' (PyTorch's flash backend on CUDA) or 'flash_attention_2' (pip install "
+            "flash-attn; packed batches through position_ids, without a mask); for Gemma 2's attention soft-capping, "
+            "'flash_attention_2' or 'flex_attention' keep it (sdpa drops it); or train shorter sequences "
+            f"(< {LONG_CONTEXT_TOKENS} tokens).")
+
+
 RULES: tuple[Rule, ...] = (
+    Rule((f"long context (sequences of {LONG_CONTEXT_TOKENS}+ tokens)", "attn_implementation='eager'"),
+         lambda f: f.run.attention == "eager" and (f.run.seq_len or 0) >= LONG_CONTEXT_TOKENS,
+         _eager_at_long_context, AttentionKernelError),
     Rule(("device", "machine: CUDA"),
          lambda f: f.machine is not None and f.machine.device.type == "cuda" and not f.machine.cuda,
          lambda f: f"device {f.machine.device} was asked for but CUDA is not available; use device='cpu'."),

@@ -161,6 +161,7 @@ class UnitRunner:
         # the family's layer recipe (models/layer_recipes.py): decoder layers tile whole; None: the MLP alone
         self.layer_recipe: Any = None
         self._declined: set[str] = set()  # reasons a layer ran without its recipe, logged once each
+        self.on_sequence: Callable[[int], None] | None = None  # a training sequence's length (the engine's checks)
 
     @property
     def offload(self):
@@ -205,6 +206,8 @@ class UnitRunner:
                 seq = x.shape[-1] if x.dim() else 1
                 self.stats.count_tokens(x.numel(), seq)
                 self.budget.note_call(0, x.numel())
+                if self.on_sequence is not None:
+                    self.on_sequence(seq)
             self.inputs.start_chain()  # a micro-batch's forward starts a new chain
         if not needs_graph:
             out = self.compute(call, x, self.streamer.fetch(u), hooks=False)

@@ -322,3 +322,20 @@ def test_estimate_shows_long_context(capsys):
     assert "one layer's recompute, MLP in 128 tiles of 4096 tokens" in out
     assert "logits chunk (523 tokens x vocab 128256)" in out
     assert "longest sequence that fits a 139.00 GiB GPU and 125.00 GiB host RAM:" in out
+
+
+def test_eager_attention_is_refused_at_long_context():
+    """A 16K-token training sequence with HF's eager attention (scores materialised) is refused with
+    the fix, before any layer computes; shorter ones and SDPA pass the rule."""
+    from megatrain_hf import attach
+    from megatrain_hf.errors import AttentionKernelError
+
+    model = tiny_model("llama", attn_implementation="eager", max_position_embeddings=32768)
+    engine = attach(model, device="cpu")
+    short = torch.randint(0, 128, (1, 32))
+    model(input_ids=short, labels=short).loss.backward()
+    long = torch.randint(0, 128, (1, 16384))
+    with pytest.raises(AttentionKernelError, match="attn_implementation='eager'.*Fix: .*'sdpa'"):
+        model(input_ids=long, labels=long)
+    engine.plan.check(seq_len=16384, attention="sdpa")  # the flash-capable kernel passes
+    engine.detach()

@@ -17,7 +17,8 @@ import torch
 from megatrain_hf import MegaTrainConfig
 from megatrain_hf.core.layout import TensorSpec, lay_out
 from megatrain_hf.memory.host_tiers import host_tiers
-from megatrain_hf.errors import DiskSpaceError, HostMemoryError, IncompatibleOptionsError, MegatrainError
+from megatrain_hf.errors import (AttentionKernelError, DiskSpaceError, HostMemoryError, IncompatibleOptionsError,
+                                  MegatrainError)
 from megatrain_hf.memory.host import DEFAULT_HEADROOM_BYTES
 from megatrain_hf.plan import ADJUSTMENTS, RULES, Machine, OptimizerChoice, Run, check, resolve
 
@@ -49,6 +50,9 @@ ROWS = [
     # ------------------------------------------------------------------ refused
     ("cuda without CUDA", {}, dict(device=CUDA, cuda=False), {},
      ("refused", IncompatibleOptionsError, r"device cuda:0 was asked for but CUDA is not available")),
+    ("eager attention at long context", {}, {}, dict(seq_len=16384, attention="eager"),
+     ("refused", AttentionKernelError, r"16384 tokens with attn_implementation='eager'.*materialises the scores.*"
+                                       r"Fix: load the model with attn_implementation='sdpa'")),
     ("data_parallel=True on one rank", dict(data_parallel=True), {}, {},
      ("refused", IncompatibleOptionsError, r"data_parallel=True but torch.distributed .*Fix: launch with torchrun")),
     ("offload_dir with device_update", dict(offload_dir="DIR", device_update=True), {}, {},
