@@ -431,20 +431,26 @@ def _unit_forward(engine_ref: weakref.ref, u: int, *args, **kwargs) -> torch.Ten
 
 
 def attach(model: nn.Module, config: MegaTrainConfig | None = None, *, device: torch.device | str | None = None,
-           bf16: bool = False, streams=None, frozen_in_wire_dtype: bool = True) -> Engine:
+           bf16: bool = False, streams=None, frozen_in_wire_dtype: bool | None = None) -> Engine:
     """Attach the engine to ``model`` (on the CPU, fp32 masters) and return its handle.
 
     ``device``/``bf16`` are what the Trainer would use (its ``args.device`` and ``args.bf16``);
     ``config`` overrides them. Attaching twice raises; ``handle.detach()`` undoes everything but
     the parameters' new home in host flats. ``streams``: for tests, ``core.streams.EmulatedStreams()``
-    runs the CUDA transfer pipelines on the CPU. ``frozen_in_wire_dtype=False``: frozen weights stay
-    fp32 on the host (for weights edited in place; twice the bytes of bf16).
+    runs the CUDA transfer pipelines on the CPU. ``frozen_in_wire_dtype``: frozen weights stored in
+    the wire dtype (bf16 matrices: half the bytes; rounded once on the host), or as they are (fp32,
+    rounded on the device; for weights edited in place or written by a checkpoint). ``None``: in the
+    wire dtype for a PEFT model (its checkpoints hold the adapters, not the frozen base) and as they are
+    otherwise, so that ``save_model`` / ``state_dict`` write a partly frozen model's frozen weights
+    bit-equal to plain training's.
     """
     config = config or MegaTrainConfig()
     if engine_of(model) is not None:
         raise UsageError("megatrain is already attached to this model; call handle.detach() first.")
     check_fp32(model)
     dev = config.resolve_device(torch.device(device) if device is not None else None)
+    if frozen_in_wire_dtype is None:
+        frozen_in_wire_dtype = hasattr(model, "peft_config")
     return Engine(model, config, dev, config.resolve_dtype(trainer_bf16=bf16), streams=streams,
                   frozen_in_wire_dtype=frozen_in_wire_dtype)
 
