@@ -183,6 +183,10 @@ class Engine:
                       self.store.mark_dirty, self._check_state_readable if self.store.remote else None,
                       frozenset(id(e.tensor) for u in self.store.remote for e in self.store.owned_trainable(u)))
         self._install_chunked_loss(unwrap(model))
+        if self.sharding is not None and any(map(self.store.n_train, range(len(self.units)))):
+            # every forward broadcasts the units' masters: every model call is collective (core/sharding.py)
+            base = unwrap(model)
+            patcher.hook(base, base.register_forward_pre_hook(self._agree_on_call, with_kwargs=True))
         # torch keeps global hooks forever: one module-level hook dispatches to the live engines, held weakly,
         # so a dropped model is freed and no hook is removed while torch iterates over them
         _STEPPED_ENGINES.add(self)
@@ -211,6 +215,11 @@ class Engine:
                                   lambda: self.chunked_loss_active)
         self.patcher.set_attr(base, "forward", forward)
         self.chunked_loss_installed = True
+
+    def _agree_on_call(self, module: nn.Module, args, kwargs) -> None:
+        training = module.training and torch.is_grad_enabled()
+        self.sharding.agree_on_call("a training forward" if training else
+                                    "a model call without gradients or in eval mode (generate, evaluation)", training)
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if getattr(optimizer, "marks_store_dirty", False):
