@@ -194,6 +194,10 @@ class Engine:
                       self.store.mark_dirty, self._check_state_readable if self.store.remote else None,
                       frozenset(id(e.tensor) for u in self.store.remote for e in self.store.owned_trainable(u)))
         self._install_chunked_loss(unwrap(model))
+        if self.sharding is not None and any(map(self.store.n_train, range(len(self.units)))):
+            # every forward broadcasts the units' masters: every model call is collective (core/sharding.py)
+            base = unwrap(model)
+            patcher.hook(base, base.register_forward_pre_hook(self._agree_on_call, with_kwargs=True))
         # torch keeps global hooks forever: one module-level hook dispatches to the live engines, held weakly,
         # so a dropped model is freed and no hook is removed while torch iterates over them
         _STEPPED_ENGINES.add(self)
@@ -222,6 +226,11 @@ class Engine:
                                   lambda: self.chunked_loss_active)
         self.patcher.set_attr(base, "forward", forward)
         self.chunked_loss_installed = True
+
+    def _agree_on_call(self, module: nn.Module, args, kwargs) -> None:
+        training = module.training and torch.is_grad_enabled()
+        self.sharding.agree_on_call("a training forward" if training else
+                                    "a model call without gradients or in eval mode (generate, evaluation)", training)
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if getattr(optimizer, "marks_store_dirty", False):
@@ -442,20 +451,26 @@ def _unit_forward(engine_ref: weakref.ref, u: int, *args, **kwargs) -> torch.Ten
 
 
 def attach(model: nn.Module, config: MegaTrainConfig | None = None, *, device: torch.device | str | None = None,
-           bf16: bool = False, streams=None, frozen_in_wire_dtype: bool = True) -> Engine:
+           bf16: bool = False, streams=None, frozen_in_wire_dtype: bool | None = None) -> Engine:
     """Attach the engine to ``model`` (on the CPU, fp32 masters) and return its handle.
 
     ``device``/``bf16`` are what the Trainer would use (its ``args.device`` and ``args.bf16``);
     ``config`` overrides them. Attaching twice raises; ``handle.detach()`` undoes everything but
     the parameters' new home in host flats. ``streams``: for tests, ``core.streams.EmulatedStreams()``
-    runs the CUDA transfer pipelines on the CPU. ``frozen_in_wire_dtype=False``: frozen weights stay
-    fp32 on the host (for weights edited in place; twice the bytes of bf16).
+    runs the CUDA transfer pipelines on the CPU. ``frozen_in_wire_dtype``: frozen weights stored in
+    the wire dtype (bf16 matrices: half the bytes; rounded once on the host), or as they are (fp32,
+    rounded on the device; for weights edited in place or written by a checkpoint). ``None``: in the
+    wire dtype for a PEFT model (its checkpoints hold the adapters, not the frozen base) and as they are
+    otherwise, so that ``save_model`` / ``state_dict`` write a partly frozen model's frozen weights
+    bit-equal to plain training's.
     """
     config = config or MegaTrainConfig()
     if engine_of(model) is not None:
         raise UsageError("megatrain is already attached to this model; call handle.detach() first.")
     check_fp32(model)
     dev = config.resolve_device(torch.device(device) if device is not None else None)
+    if frozen_in_wire_dtype is None:
+        frozen_in_wire_dtype = hasattr(model, "peft_config")
     return Engine(model, config, dev, config.resolve_dtype(trainer_bf16=bf16), streams=streams,
                   frozen_in_wire_dtype=frozen_in_wire_dtype)
 

@@ -113,6 +113,11 @@ class CollectiveError(MegatrainError, RuntimeError):
     another rank stopped or raised."""
 
 
+class LoneRankCallError(UsageError):
+    """Under data parallelism a model call (a forward, ``generate``, an evaluation) was made on some ranks
+    and not the others: each rank holds only its units, so every model call is collective."""
+
+
 class BackgroundWorkerError(MegatrainError, RuntimeError):
     """A host worker thread (gradient accumulation, the optimizer update, a layer-major micro-batch)
     failed or ended; the original error is chained (``__cause__``)."""
@@ -124,4 +129,5 @@ __all__ = [
     "TrainingDataError", "CheckpointError", "UnreadableCheckpointError", "UsageError", "AttachedModelError",
     "StreamedCallError", "DependencyError", "UnitCallableError", "UnsupportedTrlError", "HostMemoryError",
     "PinnedMemoryError", "DiskSpaceError", "DiskIOError", "CollectiveError", "BackgroundWorkerError",
+    "LoneRankCallError",
 ]

@@ -154,8 +154,8 @@ class HookRecord:
     """A training call's record of its sub-modules' forward hooks (see module docstring)."""
 
     modifying: set[tuple[int, int]] = field(default_factory=set)
-    """The (pre-)hooks that changed a value in the forward, by (submodule index, hook id): the ones
-    the recompute runs again."""
+    """The (pre-)hooks that changed a value or drew random numbers in the forward, by (submodule index,
+    hook id): the ones the recompute runs again."""
     seen: list[torch.Tensor] = field(default_factory=list)
     """The floating-point tensors the forward hooks received as outputs during the current compute,
     each once, in order (the runner takes and clears it after each compute)."""
@@ -178,12 +178,23 @@ def _tensors_of(value) -> list[torch.Tensor]:
     return []
 
 
+def _rng_states() -> list[torch.Tensor]:
+    """The default generators' states (CPU, and the current CUDA device once CUDA is in use)."""
+    states = [torch.default_generator.get_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
 def _recording(hook, key: tuple[int, int], record: HookRecord, forward_hook: bool):
     def run(*args, **kwargs):
         if forward_hook:  # the output is the hook's last positional argument
             record.see(args[-1])
+        before = _rng_states()
         result = hook(*args, **kwargs)
-        if result is not None:
+        # a hook that changed a value, or drew random numbers (the ops after it in the recompute, which
+        # starts from the forward's RNG state, must draw what they drew in the forward), runs again there
+        if result is not None or any(not torch.equal(a, b) for a, b in zip(before, _rng_states())):
             record.modifying.add(key)
         return result
 

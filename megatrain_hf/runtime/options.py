@@ -22,7 +22,9 @@ class RuntimeOptions:
     uploaded twice per step instead of twice per micro-batch, its gradients summed on the GPU and
     downloaded once); `False` runs them one after another as plain Trainer does. `"auto"`: layer-major
     unless the model has dropout (its random masks would then be drawn in a different order than
-    plain Trainer draws them), a parameter has tensor hooks (they run once per micro-batch), or the
+    plain Trainer draws them), a module inside a layer (or torch's global module hooks) has forward,
+    pre-forward or backward hooks (they may draw random numbers; transformers' output capture and
+    megatrain's own hooks do not count), a parameter has tensor hooks (they run once per micro-batch), or the
     Trainer subclass overrides `training_step` (its per-call state would see another order).
     Activation checkpoints of all micro-batches of a step are alive at once on the GPU (see
     docs/memory.md)."""

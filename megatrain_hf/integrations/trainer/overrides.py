@@ -52,6 +52,10 @@ def install(patcher: Patcher, plugin, trainer) -> None:
     if plugin.config.chunked_loss == "auto" and type(trainer) is Trainer:
         # plain Trainer reads only the loss of a training forward; subclasses may read logits
         engine.chunked_loss_active = engine.chunked_loss_installed
+    elif engine.chunked_loss_installed and type(trainer).compute_loss is not Trainer.compute_loss:
+        logger.warning("megatrain: chunked_loss=True with %s.compute_loss: training forwards with labels return "
+                       "logits=None (only the loss). If compute_loss reads outputs.logits, set chunked_loss='auto' "
+                       "(HF's loss for Trainer subclasses).", type(trainer).__name__)
 
 
 def _install_optimizer(patcher: Patcher, plugin, trainer) -> None:
