@@ -39,7 +39,7 @@ from .core.store import HostStore, alias
 from .core.streamer import Streamer
 from .core.streams import streams_for
 from .core.template import TemplateCache
-from .models.checks import check_coverage, check_fp32, prepare_graph_call
+from .models.checks import check_coverage, check_fp32, dropout_modules, prepare_graph_call
 from .models.families import INPUT_KWARGS, family_of, unwrap
 from .models.flops import flops_parameters
 from .models.model_patches import install_model
@@ -52,6 +52,7 @@ from .memory.host import DEFAULT_HEADROOM_BYTES
 from .optim.tier_files import AttachTier
 from .plan import Machine, Run, check, resolve
 from .runtime import layer_major
+from .runtime.compiled import RegionCompiler
 from .runtime.streamed_call import Unit, UnitRunner
 from .stats import EngineStats
 
@@ -141,6 +142,8 @@ class Engine:
         self.runner.tile_policy = activations.tile_policy(plan.activations.tile_tokens, plan.activations.compute_bytes,
                                                           self.budget.budget)
         self.runner.checkpoint_interval = plan.activations.checkpoint_interval
+        if plan.compile is not None:
+            self.runner.compiler = _region_compiler(plan, model, units)
         if plan.activations.offload_checkpoints is True:
             self._start_offload()
         self._set_flops_model(model, located)
@@ -482,3 +485,20 @@ def engine_of(model: nn.Module) -> Engine | None:
             model.get_base_model() if hasattr(model, "get_base_model") else None
         )
     return None
+
+
+def _region_compiler(plan, model, units: list[Unit]) -> RegionCompiler:
+    """``compile=True``: the compiled layer templates (``runtime/compiled.py``); refused with dropout."""
+    dropout = dropout_modules(model)
+    if dropout:
+        raise IncompatibleOptionsError(
+            f"MegaTrainConfig(compile=True) (TrainingArguments(torch_compile=True)) with dropout in the model "
+            f"({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}): a compiled layer draws its random "
+            "masks with other kernels than eager (inductor's own generator), so its recompute and the loss would not "
+            "be those of the eager model. Fix: set the model's dropout probabilities to 0 (e.g. "
+            "attention_dropout=0.0, as most fine-tuning recipes do), or leave compile off."
+        )
+    compiler = RegionCompiler(plan.compile.backend, plan.compile.mode)
+    compiler.set_units(units)
+    return compiler
+

@@ -246,11 +246,12 @@ class Template:
         return mirror
 
     def bind(self, tensors: dict[str, torch.Tensor], mirror: Mirror, hooks: HookRecord | None = None,
-             recompute: bool = False) -> nn.Module:
+             recompute: bool = False, without_hooks: bool = False) -> nn.Module:
         """Point every slot at ``tensors[name]`` and mirror the real unit's state; returns the module.
 
         ``hooks``: the call's record of modifying hooks (see module docstring); ``recompute``:
-        binding for the backward's recompute (with grad).
+        binding for the backward's recompute (with grad); ``without_hooks``: the sub-modules get no
+        hooks (a compiled call whose hooks are all inactive, ``runtime/compiled.py``).
         """
         for i, (t_mod, r_mod, keys) in enumerate(mirror.pairs):
             r_vars = r_mod.__dict__
@@ -260,7 +261,12 @@ class Template:
             for k in mirror.checked[i]:
                 t_vars[k] = mirror.value(i, k, r_vars[k])
             if i:  # sub-modules: their hooks (the root's ran in the real unit's __call__), their own forward
-                self._mirror_hooks(i, t_vars, r_vars, hooks, recompute)
+                if without_hooks:
+                    if any(t_vars.get(name) for name in _HOOK_DICTS):
+                        for name in _HOOK_DICTS:
+                            t_vars[name] = OrderedDict()
+                else:
+                    self._mirror_hooks(i, t_vars, r_vars, hooks, recompute)
                 forward = r_vars.get("forward")
                 if forward is not None:
                     t_vars["forward"] = mirror.value(i, "forward", forward)

@@ -83,6 +83,7 @@ class Call:
     seen_at: list[int] = field(default_factory=list)  # positions in HookRecord.seen that are node outputs
     seen_shapes: list[tuple] = field(default_factory=list)  # (number seen, shapes of those outputs)
     parent: Any = None  # checkpoint_interval > 1: the node whose output is this call's input (not kept)
+    compiled: bool | None = None  # runs the compiled template (runtime/compiled.py); None: not decided yet
 
 
 class StreamedUnit(torch.autograd.Function):
@@ -158,6 +159,7 @@ class UnitRunner:
         self._end_queued = None  # graph-task id of the pass whose end callback is queued
         # (tokens, hidden, intermediate width) -> tokens per MLP tile or None; set by the engine (None: never tiled)
         self.tile_policy: Callable[[int, int, int], int | None] | None = None
+        self.compiler = None  # RegionCompiler (runtime/compiled.py) with compile=True; set by the engine
 
     @property
     def offload(self):
@@ -245,12 +247,19 @@ class UnitRunner:
             self.stats.forward_units += 1
             return out
         call.hooks.seen = []
-        module = unit.template.bind(tensors, unit.mirror, call.hooks if hooks else None, recompute)
+        tile = self._tile_for(unit.module, x)  # the real unit: its own hooks and structure
+        if call.compiled is None:  # decided at the forward; the recompute runs the same way
+            # (training calls only: a call without a graph may carry a KV cache, per-layer state)
+            call.compiled = hooks and self.compiler is not None and self.compiler.applies(unit, call.kernel, tile)
+        module = unit.template.bind(tensors, unit.mirror, call.hooks if hooks else None, recompute,
+                                    without_hooks=call.compiled)
         try:
-            with self._autocast(None), tiled(module, self._tile_for(module, x)) as tiling:
+            with self._autocast(None), tiled(module, tile) as tiling:
                 self.stats.tiled_calls += tiling
                 # forward, not __call__: the real unit's __call__ already ran its own hooks
-                if call.input_key is None:
+                if call.compiled:
+                    out = self.compiler.run(module, x, call.args, call.kwargs, call.input_key)
+                elif call.input_key is None:
                     out = module.forward(x, *call.args, **call.kwargs)
                 else:
                     out = module.forward(*call.args, **{call.input_key: x}, **call.kwargs)
