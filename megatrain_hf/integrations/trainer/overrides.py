@@ -26,10 +26,12 @@ from __future__ import annotations
 import logging
 
 import torch
+from accelerate.utils import DynamoBackend
 from transformers import Trainer
 
 from ...errors import TrainingDataError
 from ...core.patcher import Patcher
+from ...engine import engine_of
 from ...optim.host_adamw import HostAdamW, convertible
 from ...plan import OptimizerChoice, Run
 from ...plan import check as check_plan
@@ -212,7 +214,17 @@ def _install_accelerator(patcher: Patcher, plugin, trainer) -> None:
         # streamed like the policy (frozen, in the wire dtype) instead of moved whole to the device
         if evaluation_mode and plugin.attach_reference(model, trainer.args):
             return model
-        return original_prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        dynamo = accelerator.state.dynamo_plugin
+        streamed = engine_of(model) is not None
+        if not streamed or dynamo.backend == DynamoBackend.NO:
+            return original_prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        # torch_compile: the engine compiles its layer templates (compile=True); compiling the whole model
+        # would trace the streamed calls
+        saved, dynamo.backend = dynamo.backend, DynamoBackend.NO
+        try:
+            return original_prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        finally:
+            dynamo.backend = saved
 
     def prepare_optimizer(optimizer, device_placement=None):
         # HostAdamW's state lives in the host store: with device placement, accelerate would copy the

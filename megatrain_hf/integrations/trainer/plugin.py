@@ -24,6 +24,7 @@ import inspect
 import logging
 import sys
 import weakref
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -94,11 +95,11 @@ class MegaTrainPlugin(TrainerCallback):
                 "TrainingArguments(bf16_full_eval/fp16_full_eval=True) would cast the host-resident fp32 "
                 "masters in place. Unset it: with bf16=True megatrain already evaluates with bf16 weights."
             )
-        if getattr(args, "torch_compile", False):
-            raise IncompatibleOptionsError(
-                "TrainingArguments(torch_compile=True) compiles the whole model, which megatrain streams "
-                "layer by layer. Unset torch_compile."
-            )
+        if getattr(args, "torch_compile", False) and not self.config.compile:
+            # regional compilation of the streamed layers instead of the whole model (runtime/compiled.py)
+            self.config = replace(self.config, compile=True,
+                                  compile_backend=getattr(args, "torch_compile_backend", None) or "inductor",
+                                  compile_mode=getattr(args, "torch_compile_mode", None))
         check(self.config, run=Run(bf16=bool(args.bf16), grad_accum=args.gradient_accumulation_steps))
         if getattr(args, "n_gpu", 1) > 1:
             logger.info("megatrain drives one GPU per process; not using DataParallel over %d GPUs", args.n_gpu)

@@ -1,0 +1,105 @@
+"""TrainingArguments(torch_compile=True): the layer templates compiled once, reused by every layer (CPU, fp32).
+
+Bounds: with ``aot_eager`` (dynamo + AOTAutograd, no kernel fusion) the compiled layers compute what eager
+does, op for op: megatrain with compile is bitwise megatrain without, and within 1e-6 of plain Trainer (the
+bound of every fp32 parity test). With ``inductor`` (fused C++ kernels, other summation orders) the bound is
+1e-5 on losses and parameters over 6 steps; measured 2026-12-07: 5e-7 on the loss, 6e-8 on the parameters.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import (
+    LogRecorder,
+    assert_close_losses,
+    assert_close_params,
+    assert_same_state,
+    state_of,
+    tiny_model,
+    train,
+    training_args,
+    without_dropout,
+)
+from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach, engine_of
+from megatrain_hf.errors import IncompatibleOptionsError
+
+ATOL_FP32 = 1e-6
+ATOL_INDUCTOR = 1e-5
+
+
+def _model(family: str = "llama"):
+    return tiny_model(family, num_hidden_layers=3, **without_dropout(family))
+
+
+def _compiled_run(tmp_path, name: str, backend: str, family: str = "llama"):
+    model = _model(family)
+    logs = LogRecorder()
+    args = training_args(tmp_path / name, torch_compile=True, torch_compile_backend=backend)
+    trainer, losses = train(model, args, callbacks=[MegaTrainPlugin(), logs])
+    return model, trainer, losses, logs
+
+
+def test_torch_compile_trains_like_eager_and_plain_trainer(tmp_path):
+    ref_model = _model()
+    _, ref_losses = train(ref_model, training_args(tmp_path / "ref"))
+    eager_model = _model()
+    _, eager_losses = train(eager_model, training_args(tmp_path / "eager"), callbacks=[MegaTrainPlugin()])
+
+    model, trainer, losses, logs = _compiled_run(tmp_path, "compiled", "aot_eager")
+
+    compiler = engine_of(model).runner.compiler
+    assert compiler is not None and compiler.backend == "aot_eager"
+    # 6 steps x 2 micro-batches x 3 layers, forward and recompute: every layer call ran compiled
+    assert compiler.compiled_calls == 6 * 2 * 3 * 2 and compiler.eager_calls == 0
+    assert compiler.graphs == 2  # one graph for the forward, one for the recompute, shared by the 3 layers
+    assert compiler.recompiles == 0 and compiler.graph_breaks == 0
+    assert not hasattr(trainer.model_wrapped, "_orig_mod")  # the whole model was not compiled
+    logged = [entry for entry in logs.logs if "loss" in entry]
+    assert logged[-1]["megatrain/compile_graphs"] == 2.0
+    assert logged[-1]["megatrain/compile_recompiles"] == 0.0
+    assert logged[-1]["megatrain/compile_graph_breaks"] == 0.0
+
+    assert losses == eager_losses
+    assert_same_state(state_of(eager_model), state_of(model))
+    assert_close_losses(ref_losses, losses, ATOL_FP32)
+    assert_close_params(state_of(ref_model), state_of(model), ATOL_FP32)
+
+
+@pytest.mark.slow
+def test_torch_compile_inductor_within_bound(tmp_path):
+    ref_model = _model()
+    _, ref_losses = train(ref_model, training_args(tmp_path / "ref"))
+    model, _, losses, _ = _compiled_run(tmp_path, "inductor", "inductor")
+    compiler = engine_of(model).runner.compiler
+    assert compiler.compiled_calls == 6 * 2 * 3 * 2 and compiler.recompiles == 0
+    assert_close_losses(ref_losses, losses, ATOL_INDUCTOR)
+    assert_close_params(state_of(ref_model), state_of(model), ATOL_INDUCTOR)
+
+
+def test_compile_refused_with_dropout():
+    model = tiny_model("llama")  # attention_dropout=0.1
+    with pytest.raises(IncompatibleOptionsError, match=r"compile=True.*dropout.*self_attn.*Fix: set the model's dropout"):
+        attach(model, MegaTrainConfig(compile=True, compile_backend="aot_eager"), device="cpu")
+
+
+def test_tiled_mlp_runs_eagerly_under_compile():
+    """A call whose MLP runs over sequence tiles is not compiled (counted as an eager call); its result is exact."""
+    import torch
+
+    from tests.helpers import RandomTokens
+
+    results = []
+    for compile in (False, True):
+        model = _model()
+        engine = attach(model, MegaTrainConfig(compile=compile, compile_backend="aot_eager", sequence_tile_tokens=4),
+                        device="cpu")
+        ids = RandomTokens(n=2).ids
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append((out.loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        if compile:
+            assert engine.runner.compiler.compiled_calls == 0 and engine.runner.compiler.eager_calls == 3
+    assert results[0][0] == results[1][0]
+    for name, grad in results[0][1].items():
+        assert torch.equal(grad, results[1][1][name]), name
