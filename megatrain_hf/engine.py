@@ -39,7 +39,7 @@ from .core.store import HostStore, alias
 from .core.streamer import Streamer
 from .core.streams import streams_for
 from .core.template import TemplateCache
-from .models.checks import check_coverage, check_fp32, dropout_modules, prepare_graph_call
+from .models.checks import check_coverage, check_fp32, check_liger_head, dropout_modules, prepare_graph_call
 from .models.families import INPUT_KWARGS, family_of, unwrap
 from .models.flops import flops_parameters
 from .models.model_patches import install_model
@@ -82,6 +82,7 @@ class Engine:
         self.family = family_of(model)
         located = self.family.locate(model)
         check_coverage(model, located)
+        check_liger_head(model)
         named = list(zip(located.names, located.modules))
         deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
         schemes = quantized_weights(model, config.base_quantization,
@@ -151,6 +152,8 @@ class Engine:
         self.chunked_loss_active = plan.loss.chunked  # the integration may turn it on ("auto")
         self.chunked_loss_installed = False
         self._install(model)
+        for unit in units:  # what _install set on the real modules is the engine's own: never mirrored
+            unit.mirror.seal()
         logger.info(
             "megatrain attached: %d units (%d templates), %.1fM trainable params, %.2f GiB host, compute %s on %s",
             len(units), self.num_templates, self.store.trainable_numel() / 1e6, self.store.host_bytes() / 2**30,

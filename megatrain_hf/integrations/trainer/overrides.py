@@ -113,7 +113,7 @@ def _install_entry_points(patcher: Patcher, plugin, trainer) -> None:
         def method(*args, **kwargs):
             if check is not None:
                 check()
-            plugin.adopt_trl_fused_head()
+            plugin.check_forwards()
             return original(*args, **kwargs)
 
         patcher.set_attr(trainer, name, method)
