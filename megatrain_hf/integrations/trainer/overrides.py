@@ -29,7 +29,7 @@ import torch
 from accelerate.utils import DynamoBackend
 from transformers import Trainer
 
-from ...errors import TrainingDataError
+from ...errors import IncompatibleOptionsError, TrainingDataError
 from ...core.patcher import Patcher
 from ...engine import engine_of
 from ...optim.host_adamw import HostAdamW, convertible
@@ -132,6 +132,7 @@ def _install_entry_points(patcher: Patcher, plugin, trainer) -> None:
 
     def check_before_training():
         check_dataset()
+        _check_liger_device(trainer, plugin.engine)
         _check_example_lengths(trainer, plugin.engine)
 
     wrapped("train", check_before_training)
@@ -140,6 +141,15 @@ def _install_entry_points(patcher: Patcher, plugin, trainer) -> None:
 
 
 _SCAN_LIMIT = 200_000  # map-style datasets scanned item by item up to this many examples
+
+
+def _check_liger_device(trainer, engine) -> None:
+    if getattr(trainer.args, "use_liger_kernel", False) and engine is not None and engine.device.type != "cuda":
+        raise IncompatibleOptionsError(
+            f"megatrain: TrainingArguments(use_liger_kernel=True) with the compute on {engine.device}: Liger-Kernel's "
+            "kernels are Triton kernels that launch on CUDA only (Triton would fail with '0 active drivers'). Fix: "
+            "train on a CUDA GPU, or unset use_liger_kernel."
+        )
 
 
 def _check_example_lengths(trainer, engine) -> None:
