@@ -33,9 +33,12 @@ from .memory import host as host_memory
 from .memory.disk import DiskTier
 from .optim.moment_formats import Format as MomentFormat
 from .optim.moment_formats import format_of
-from .runtime.compiled import CUDA_GRAPH_MODES
 
 logger = logging.getLogger(__name__)
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""``torch.compile`` modes that capture CUDA graphs: refused with ``compile`` (the layer template computes with
+other weight tensors at every layer and step, which a graph would copy into its static inputs)."""
 
 
 # ---------------------------------------------------------------------------------- inputs

@@ -40,9 +40,6 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
-"""``torch.compile`` modes that capture CUDA graphs (refused by the plan: the template's weights are other
-tensors at every layer and step, which a graph would copy into its static inputs)."""
 
 
 def _inactive_capture_hook(hook: Callable) -> bool:
