@@ -83,6 +83,8 @@ class Engine:
         located = self.family.locate(model)
         check_coverage(model, located)
         check_liger_head(model)
+        if config.compile:
+            _check_compile_dropout(model)
         named = list(zip(located.names, located.modules))
         deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
         schemes = quantized_weights(model, config.base_quantization,
@@ -144,7 +146,7 @@ class Engine:
                                                           self.budget.budget)
         self.runner.checkpoint_interval = plan.activations.checkpoint_interval
         if plan.compile is not None:
-            self.runner.compiler = _region_compiler(plan, model, units)
+            self.runner.compiler = _region_compiler(plan, units)
         if plan.activations.offload_checkpoints is True:
             self._start_offload()
         self._set_flops_model(model, located)
@@ -490,8 +492,8 @@ def engine_of(model: nn.Module) -> Engine | None:
     return None
 
 
-def _region_compiler(plan, model, units: list[Unit]) -> RegionCompiler:
-    """``compile=True``: the compiled layer templates (``runtime/compiled.py``); refused with dropout."""
+def _check_compile_dropout(model: nn.Module) -> None:
+    """``compile=True`` is refused with dropout (before the model is touched)."""
     dropout = dropout_modules(model)
     if dropout:
         raise IncompatibleOptionsError(
@@ -501,7 +503,10 @@ def _region_compiler(plan, model, units: list[Unit]) -> RegionCompiler:
             "be those of the eager model. Fix: set the model's dropout probabilities to 0 (e.g. "
             "attention_dropout=0.0, as most fine-tuning recipes do), or leave compile off."
         )
+
+
+def _region_compiler(plan, units: list[Unit]) -> RegionCompiler:
+    """``compile=True``: the compiled layer templates (``runtime/compiled.py``)."""
     compiler = RegionCompiler(plan.compile.backend, plan.compile.mode)
     compiler.set_units(units)
     return compiler
-
