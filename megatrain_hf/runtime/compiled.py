@@ -43,15 +43,26 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_
 
 
 def _inactive_capture_hook(hook: Callable) -> bool:
-    """transformers' output-capturing hook while nothing is being collected (it returns at once).
+    """transformers' output-capturing hook while it collects nothing: no collector, or one without the hook's
+    key (``output_hidden_states``/``output_attentions``/router logits not asked for); it returns at once.
 
-    Recognised by its name and the module global it reads (``transformers.utils.output_capturing``),
-    without importing transformers."""
+    Recognised by its name, the module global it reads (``transformers.utils.output_capturing``) and its
+    closure's ``key``, without importing transformers."""
     if getattr(hook, "__name__", None) != "output_capturing_hook":
         return False
     collector = getattr(hook, "__globals__", {}).get("_active_collector")
     get = getattr(collector, "get", None)
-    return get is not None and get() is None
+    if get is None:
+        return False
+    collected = get()
+    if collected is None:
+        return True
+    cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
+    key = cells.get("key")
+    try:
+        return key is not None and key.cell_contents not in collected
+    except (ValueError, TypeError):  # an empty cell, a collector that is not a mapping
+        return False
 
 
 def hooks_inactive(mirror) -> bool:
