@@ -103,3 +103,36 @@ def test_tiled_mlp_runs_eagerly_under_compile():
     assert results[0][0] == results[1][0]
     for name, grad in results[0][1].items():
         assert torch.equal(grad, results[1][1][name]), name
+
+
+def _step(family: str, compile: bool, **call):
+    import torch
+
+    from tests.helpers import RandomTokens
+
+    model = _model(family)
+    engine = attach(model, MegaTrainConfig(compile=compile, compile_backend="aot_eager"), device="cpu")
+    ids = RandomTokens(n=2).ids
+    out = model(input_ids=ids, labels=ids, **call)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    hidden = [h.detach().clone() for h in out.hidden_states] if call.get("output_hidden_states") else []
+    return engine, out.loss.item(), grads, hidden, torch
+
+
+def test_hidden_states_and_router_logits_under_compile():
+    """output_hidden_states: collected by the layer's own hook (outside the compiled forward), the attention's
+    capture hook inactive: compiled, exact. A MoE model whose router logits are collected for the loss: its
+    layers' capture hooks are active, so they run eagerly, exact."""
+    eager = _step("llama", False, output_hidden_states=True)
+    compiled = _step("llama", True, output_hidden_states=True)
+    assert compiled[0].runner.compiler.compiled_calls == 3 * 2 and compiled[0].runner.compiler.eager_calls == 0
+    assert eager[1] == compiled[1] and len(compiled[3]) == 4
+    torch = compiled[4]
+    assert all(torch.equal(a, b) for a, b in zip(eager[3], compiled[3]))
+    assert all(torch.equal(eager[2][n], compiled[2][n]) for n in eager[2])
+
+    eager = _step("qwen3_moe", False)
+    compiled = _step("qwen3_moe", True)
+    assert compiled[0].runner.compiler.compiled_calls == 0 and compiled[0].runner.compiler.eager_calls == 3
+    assert eager[1] == compiled[1] and all(torch.equal(eager[2][n], compiled[2][n]) for n in eager[2])
