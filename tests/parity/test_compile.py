@@ -136,3 +136,34 @@ def test_hidden_states_and_router_logits_under_compile():
     compiled = _step("qwen3_moe", True)
     assert compiled[0].runner.compiler.compiled_calls == 0 and compiled[0].runner.compiler.eager_calls == 3
     assert eager[1] == compiled[1] and all(torch.equal(eager[2][n], compiled[2][n]) for n in eager[2])
+
+
+def test_accelerator_dynamo_backend_compiles_the_layers():
+    """MegaTrainAccelerator(dynamo_backend=...): the engine compiles its layers, Accelerate not the whole model;
+    a step is bitwise the eager one."""
+    import torch
+
+    from megatrain_hf.integrations.accelerate import MegaTrainAccelerator
+    from tests.helpers import RandomTokens
+
+    results = []
+    from accelerate.state import AcceleratorState
+
+    for backend in ("no", "aot_eager"):
+        AcceleratorState._reset_state(True)  # (a process-wide singleton: each accelerator its own dynamo plugin)
+        accelerator = MegaTrainAccelerator(cpu=True, dynamo_backend=backend)
+        model = _model()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        prepared, optimizer = accelerator.prepare(model, optimizer)
+        assert prepared is model  # not an OptimizedModule
+        ids = RandomTokens(n=2).ids
+        loss = prepared(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        compiler = engine_of(model).runner.compiler
+        assert (compiler is None) == (backend == "no")
+        results.append((loss.item(), state_of(model)))
+    AcceleratorState._reset_state(True)
+    assert engine_of(model).runner.compiler.compiled_calls == 3 * 2
+    assert results[0][0] == results[1][0]
+    assert_same_state(results[0][1], results[1][1])
