@@ -39,7 +39,7 @@ from .core.store import HostStore, alias
 from .core.streamer import Streamer
 from .core.streams import streams_for
 from .core.template import TemplateCache
-from .models.checks import check_coverage, check_fp32, prepare_graph_call
+from .models.checks import check_coverage, check_fp32, check_liger_head, dropout_modules, prepare_graph_call
 from .models.families import INPUT_KWARGS, family_of, unwrap
 from .models.flops import flops_parameters
 from .models.model_patches import install_model
@@ -52,6 +52,7 @@ from .memory.host import DEFAULT_HEADROOM_BYTES
 from .optim.tier_files import AttachTier
 from .plan import Machine, Run, check, resolve
 from .runtime import layer_major
+from .runtime.compiled import RegionCompiler
 from .runtime.streamed_call import Unit, UnitRunner
 from .stats import EngineStats
 
@@ -81,6 +82,9 @@ class Engine:
         self.family = family_of(model)
         located = self.family.locate(model)
         check_coverage(model, located)
+        check_liger_head(model)
+        if config.compile:
+            _check_compile_dropout(model)
         named = list(zip(located.names, located.modules))
         deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
         schemes = quantized_weights(model, config.base_quantization,
@@ -144,6 +148,8 @@ class Engine:
         self._longest_sequence = 0
         self.runner.on_sequence = self._check_sequence
         self.runner.checkpoint_interval = plan.activations.checkpoint_interval
+        if plan.compile is not None:
+            self.runner.compiler = _region_compiler(plan, units)
         if plan.activations.offload_checkpoints is True:
             self._start_offload()
         self._set_flops_model(model, located)
@@ -151,6 +157,8 @@ class Engine:
         self.chunked_loss_active = plan.loss.chunked  # the integration may turn it on ("auto")
         self.chunked_loss_installed = False
         self._install(model)
+        for unit in units:  # what _install set on the real modules is the engine's own: never mirrored
+            unit.mirror.seal()
         logger.info(
             "megatrain attached: %d units (%d templates), %.1fM trainable params, %.2f GiB host, compute %s on %s",
             len(units), self.num_templates, self.store.trainable_numel() / 1e6, self.store.host_bytes() / 2**30,
@@ -508,3 +516,23 @@ def engine_of(model: nn.Module) -> Engine | None:
             model.get_base_model() if hasattr(model, "get_base_model") else None
         )
     return None
+
+
+def _check_compile_dropout(model: nn.Module) -> None:
+    """``compile=True`` is refused with dropout (before the model is touched)."""
+    dropout = dropout_modules(model)
+    if dropout:
+        raise IncompatibleOptionsError(
+            f"MegaTrainConfig(compile=True) (TrainingArguments(torch_compile=True)) with dropout in the model "
+            f"({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}): a compiled layer draws its random "
+            "masks with other kernels than eager (inductor's own generator), so its recompute and the loss would not "
+            "be those of the eager model. Fix: set the model's dropout probabilities to 0 (e.g. "
+            "attention_dropout=0.0, as most fine-tuning recipes do), or leave compile off."
+        )
+
+
+def _region_compiler(plan, units: list[Unit]) -> RegionCompiler:
+    """``compile=True``: the compiled layer templates (``runtime/compiled.py``)."""
+    compiler = RegionCompiler(plan.compile.backend, plan.compile.mode)
+    compiler.set_units(units)
+    return compiler

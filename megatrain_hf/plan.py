@@ -36,6 +36,10 @@ from .optim.moment_formats import format_of
 
 logger = logging.getLogger(__name__)
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""``torch.compile`` modes that capture CUDA graphs: refused with ``compile`` (the layer template computes with
+other weight tensors at every layer and step, which a graph would copy into its static inputs)."""
+
 
 # ---------------------------------------------------------------------------------- inputs
 @dataclass(frozen=True)
@@ -151,6 +155,12 @@ class LossPlan:
 
 
 @dataclass(frozen=True)
+class CompilePlan:
+    backend: str  # torch.compile backend of the layer templates (runtime/compiled.py)
+    mode: str | None
+
+
+@dataclass(frozen=True)
 class TrainingPlan:
     """Every decision of one engine, in the sections its components take (built by :func:`resolve`)."""
 
@@ -166,6 +176,7 @@ class TrainingPlan:
     activations: ActivationPlan
     loss: LossPlan
     adjustments: tuple[tuple[str, str], ...] = field(default=())  # (ADJUSTMENTS key, detail): what the plan changed
+    compile: CompilePlan | None = None  # regional compilation of the layer templates; None: eager
 
     @property
     def device(self) -> torch.device:
@@ -316,6 +327,12 @@ RULES: tuple[Rule, ...] = (
          lambda f: f"megatrain data parallelism over {f.machine.world_size} ranks needs its HostAdamW (each rank "
                    f"updates the units it owns), but {_why_not_host_adamw(f)}. Fix: optim='adamw_torch_fused' (or "
                    "'adamw_torch') and no optimizers=(...) argument, or run one process."),
+    Rule(("compile_mode", "CUDA graphs"),
+         lambda f: f.config.compile and f.config.compile_mode in CUDA_GRAPH_MODES,
+         lambda f: f"MegaTrainConfig(compile_mode={f.config.compile_mode!r}) (TrainingArguments.torch_compile_mode) "
+                   "captures CUDA graphs, but the compiled layer template computes with other weight tensors at "
+                   "every layer and step (streamed), which a graph would copy into its static inputs each replay. "
+                   "Fix: compile_mode=None (torch_compile_mode unset) or 'max-autotune-no-cudagraphs'."),
 )
 
 
@@ -417,7 +434,8 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
         TransportPlan(streams, (3, MAX_PENDING_SENDS + 2) if streams else (1, 1)),
         ActivationPlan(c.offload_checkpoints, c.checkpoint_interval, c.sequence_tile_tokens,
                        torch.finfo(compute).bits // 8, budget),
-        LossPlan(c.chunked_loss is True, c.loss_chunk_tokens), tuple(notes))
+        LossPlan(c.chunked_loss is True, c.loss_chunk_tokens), tuple(notes),
+        CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None)
     for key, detail in notes:
         logger.log(logging.INFO if key in ("staging dropped", "state to disk") else logging.DEBUG,
                    "megatrain plan: %s x %s: %s%s", *ADJUSTMENTS[key][0], ADJUSTMENTS[key][1],

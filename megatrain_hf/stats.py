@@ -134,6 +134,9 @@ class Metrics:
         if cuda:
             out["megatrain/gpu_peak_allocated_GiB"] = engine.budget.peak_allocated() / 2**30
             out["megatrain/gpu_peak_reserved_GiB"] = engine.budget.peak_reserved() / 2**30
+        compiler = engine.runner.compiler  # compile=True: cumulative graphs, breaks, recompiles
+        if compiler is not None:
+            out.update(compiler.metrics())
         if full:
             out.update(self._details(engine, optimizer, now, cuda))
         stats.reset()

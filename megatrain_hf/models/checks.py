@@ -207,3 +207,27 @@ def prepare_graph_call(unit_name: str, module: nn.Module, args: tuple, kwargs: d
     """A training call of a unit (one with a graph): side inputs checked, KV caches dropped."""
     check_side_inputs(unit_name, args, kwargs)
     return without_cache(unit_name, module, args, kwargs)
+
+
+def check_liger_head(model: nn.Module) -> None:
+    """Refuse Liger-Kernel's fused linear cross-entropy forward (``apply_liger_kernel_to_*`` with
+    ``fused_linear_cross_entropy=True``, on the class before the model was built or on the instance): it
+    multiplies the hidden states by ``lm_head.weight`` itself, the fp32 master in host RAM, outside the
+    streamed head unit."""
+    from ..errors import IncompatibleOptionsError
+
+    for candidate in (model, getattr(model, "get_base_model", lambda: None)()):
+        if candidate is None:
+            continue
+        forward = candidate.__dict__.get("forward") or type(candidate).forward
+        function = getattr(forward, "__func__", forward)
+        if (getattr(function, "__module__", "") or "").startswith("liger_kernel"):
+            raise IncompatibleOptionsError(
+                f"megatrain: the forward of {type(candidate).__name__} is Liger-Kernel's fused linear cross-entropy "
+                f"({function.__module__}.{function.__qualname__}): it reads lm_head.weight, the fp32 master in host "
+                "RAM, outside megatrain's streamed head unit (host compute, a race with the background update). "
+                "Fix: apply Liger with fused_linear_cross_entropy=False (megatrain's chunked loss computes the same "
+                "loss inside the head unit without materializing the logits), or TrainingArguments("
+                "use_liger_kernel=True), which megatrain configures so."
+            )
+

@@ -83,6 +83,7 @@ class Call:
     seen_at: list[int] = field(default_factory=list)  # positions in HookRecord.seen that are node outputs
     seen_shapes: list[tuple] = field(default_factory=list)  # (number seen, shapes of those outputs)
     parent: Any = None  # checkpoint_interval > 1: the node whose output is this call's input (not kept)
+    compiled: bool | None = None  # runs the compiled template (runtime/compiled.py); None: not decided yet
 
 
 class StreamedUnit(torch.autograd.Function):
@@ -162,6 +163,7 @@ class UnitRunner:
         self.layer_recipe: Any = None
         self._declined: set[str] = set()  # reasons a layer ran without its recipe, logged once each
         self.on_sequence: Callable[[int], None] | None = None  # a training sequence's length (the engine's checks)
+        self.compiler = None  # RegionCompiler (runtime/compiled.py) with compile=True; set by the engine
 
     @property
     def offload(self):
@@ -251,16 +253,22 @@ class UnitRunner:
             self.stats.forward_units += 1
             return out
         call.hooks.seen = []
-        module = unit.template.bind(tensors, unit.mirror, call.hooks if hooks else None, recompute)
+        tile = self._tile_for(unit.module, x)  # the real unit: its own hooks and structure
+        if call.compiled is None:  # decided at the forward; the recompute runs the same way
+            # (training calls only: a call without a graph may carry a KV cache, per-layer state)
+            call.compiled = hooks and self.compiler is not None and self.compiler.applies(unit, call.kernel, tile)
+        module = unit.template.bind(tensors, unit.mirror, call.hooks if hooks else None, recompute,
+                                    without_hooks=call.compiled)
         try:
-            tile = self._tile_for(module, x)
-            recipe = self._recipe_for(unit.name, module, call) if tile else None
+            recipe = self._recipe_for(unit.name, module, call) if tile else None  # (tiled: never compiled)
             with self._autocast(None), tiled(module, tile if recipe is None else None) as tiling:
                 self.stats.tiled_calls += tiling or recipe is not None
                 # forward, not __call__: the real unit's __call__ already ran its own hooks
                 if recipe is not None:
                     self.stats.tiled_layer_calls += 1
                     out = tiled_layer(recipe, module, x, call.kwargs, tile)
+                elif call.compiled:
+                    out = self.compiler.run(module, x, call.args, call.kwargs, call.input_key)
                 elif call.input_key is None:
                     out = module.forward(x, *call.args, **call.kwargs)
                 else:

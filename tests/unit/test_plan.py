@@ -77,6 +77,8 @@ ROWS = [
      ("refused", IncompatibleOptionsError, r"device_update=True is not supported under data parallelism.*Fix")),
     ("compressed moments with device_update", dict(optimizer_state="8bit", device_update=True), {}, {},
      ("refused", IncompatibleOptionsError, r"optimizer_state='8bit' cannot be combined with device_update")),
+    ("compile with a CUDA-graph mode", dict(compile=True, compile_mode="reduce-overhead"), {}, {},
+     ("refused", IncompatibleOptionsError, r"compile_mode='reduce-overhead'.*captures CUDA graphs.*Fix: compile_mode=None")),
     ("HostAdamW options with SGD", dict(optimizer_state="4bit", grad_dtype="bf16"), {},
      dict(bf16=True, optimizer=SGD),
      ("refused", IncompatibleOptionsError, r"optimizer_state='4bit' and grad_dtype='bf16' applies to megatrain's "
