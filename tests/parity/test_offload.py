@@ -188,9 +188,9 @@ def test_short_host_ram_is_refused_with_the_fix(monkeypatch):
 
 
 def test_offload_checkpoints_must_be_a_bool():
-    with pytest.raises(MegatrainConfigError, match="offload_checkpoints=.yes.; allowed: True, False or .auto."):
+    with pytest.raises(MegatrainConfigError, match="offload_checkpoints=.yes.; allowed: True, False, 'auto' or 'disk'"):
         MegaTrainConfig(offload_checkpoints="yes")
-    with pytest.raises(MegatrainConfigError, match="allowed: True, False or 'auto'"):
+    with pytest.raises(MegatrainConfigError, match="allowed: True, False, 'auto' or 'disk'"):
         MegaTrainConfig(offload_checkpoints=1)  # not a bool: would silently mean off
 
 
