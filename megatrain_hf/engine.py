@@ -145,6 +145,7 @@ class Engine:
         self.runner.checkpoint_interval = plan.activations.checkpoint_interval
         self._checkpoint_disk = None  # the disk tier's checkpoint file (core/checkpoint_disk.py), made on first use
         self.runner.inputs.home = DeviceHome(plan.activations.checkpoint_dtype)
+        self.runner.inputs.device_units = frozenset({len(units) - 1})  # the head's input: never offloaded
         if plan.activations.offload_checkpoints is True:
             self._start_offload()
         elif plan.activations.offload_checkpoints == "disk":

@@ -108,6 +108,9 @@ class ActivationInputs:
         self.runner = runner
         self.home: DeviceHome = DeviceHome()
         self.interval = 1  # keep the checkpoint of every k-th call of a chain (the engine sets it)
+        # units whose checkpoint stays on the device whatever the home (the engine: the head, whose
+        # backward comes first: its checkpoint would come back as soon as it went down)
+        self.device_units: frozenset[int] = frozenset()
         self._chains: dict[int, weakref.ref] = {}  # micro-batch -> its last checkpoint kept in the home
         self._last_out: dict[int, tuple] = {}  # micro-batch -> (its last output, its version, chain position)
 
@@ -153,6 +156,10 @@ class ActivationInputs:
         """The node ``ctx`` keeps its input ``x`` in the home (its block's first call only)."""
         key = self.microbatch_key()
         last = self._chains.get(key)
+        if ctx.call.unit in self.device_units:
+            ctx.ckpt = DeviceHome.keep(self.home, ctx, x, None)
+            ctx.chain_prev = last() if last is not None else None  # started when this one is used
+            return
         ctx.ckpt = self.home.keep(ctx, x, last() if last is not None else None)
         if ctx.ckpt is not None:
             self._chains[key] = weakref.ref(ctx.ckpt)
@@ -169,7 +176,12 @@ class ActivationInputs:
             x, ctx.recomputed = ctx.recomputed, None
             return x
         if ctx.parent is None:
-            return self.home.load(ctx)
+            x = self.home.load(ctx)
+            prev = getattr(ctx, "chain_prev", None)
+            if prev is not None:
+                ctx.chain_prev = None
+                prev.owner.prefetch(prev)
+            return x
         chain, node = [ctx], ctx.parent
         while node.parent is not None and node.recomputed is None:
             chain.append(node)

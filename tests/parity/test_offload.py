@@ -164,7 +164,7 @@ def test_short_ram_unpins_free_buffers_that_are_too_small(monkeypatch):
     long_ids = torch.randint(0, 128, (2, 32))
     model.zero_grad()
     model(input_ids=long_ids, labels=long_ids).loss.backward()
-    assert len(freed) == 4 and pool.pool_bytes == 4 * small  # 4 buffers of the 4x longer batch
+    assert len(freed) == 3 and pool.pool_bytes == 4 * small  # 3 buffers of the 4x longer batch (the head keeps its own)
     engine.detach()
 
 
