@@ -31,10 +31,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..core.grads import MAX_PENDING_SENDS
 from ..errors import LongContextFitError
 from . import activations
 from .disk import DISK_HEADROOM_BYTES, ram_with_tier, shape_tier
-from .host import DEFAULT_HEADROOM_BYTES, GiB, gib
+from .host import DEFAULT_HEADROOM_BYTES, gib
 from .plan import MemoryPlan, plan_memory
 from .shapes import ModelShape
 
@@ -50,6 +51,10 @@ DISK_WRITE_BYTES_PER_S = 2.19e9
 """The disk tier's raw sequential rates measured on the H200 machine at d4f1b61 (docs/benchmarks.md)."""
 
 INTERVALS = (1, 2, 4, 8)
+LOSS_RANK = {"fp32": 0, "8bit": 1, "4bit": 2}
+"""How far from exact a moment format is: the plan takes the nearest that fits, then exact checkpoints,
+then the shortest step."""
+LAYER_WS = "one layer's backward (every per-token op tiled)"
 DISK_STAGING_SLOTS = 3  # core/checkpoint_disk.STAGING_SLOTS (kept here: memory/ imports no runtime module)
 CHECKPOINT_FILE_HEADROOM = DISK_HEADROOM_BYTES
 
@@ -86,6 +91,7 @@ STATES: tuple[StateChoice, ...] = (
     StateChoice("8bit", host_staging=False, grad_dtype="bf16"),
     StateChoice("8bit", host_staging=False, grad_dtype="bf16", on_disk="moments"),
     StateChoice("8bit", grad_dtype="bf16", on_disk="all"),
+    StateChoice("4bit", host_staging=False, grad_dtype="bf16"),
 )
 """The state choices tried, exact ones first (bf16 gradient accumulators are exact at accumulation 1
 with bf16 compute: docs/memory.md)."""
@@ -143,7 +149,8 @@ class JointPlan:
         if c.home == "gpu":
             where = f"{self.kept} on the GPU"
         else:
-            where = " + ".join(s for s in (f"{self.host_units} in pinned host RAM" if self.host_units else "",
+            where = " + ".join(s for s in (f"{self.kept - self.host_units - self.disk_units} on the GPU (the head's)",
+                                            f"{self.host_units} in pinned host RAM" if self.host_units else "",
                                             f"{self.disk_units} on the disk tier" if self.disk_units else "") if s)
         return f"checkpoints: {where} ({c.dtype}, checkpoint_interval={c.interval}); state: {self.state.describe()}"
 
@@ -164,6 +171,13 @@ class JointPlan:
         out.append("  " + self.verdict())
         return out
 
+    def to_dict(self) -> dict:
+        return {"seq_len": self.seq_len, "exact": self.exact, "placement": self.placement(), "options": self.options(),
+                "checkpoints_kept": self.kept, "checkpoints_host": self.host_units, "checkpoints_disk": self.disk_units,
+                "gpu_bytes": self.gpu, "host_bytes": self.host, "disk_bytes": self.disk, "seconds": self.seconds,
+                "gpu_total": sum(self.gpu.values()), "host_total": sum(self.host.values()),
+                "disk_total": sum(self.disk.values()), "step_seconds": self.step_seconds, "verdict": self.verdict()}
+
     def verdict(self) -> str:
         s = self.seconds
         disk = sum(v for k, v in s.items() if k.startswith("disk"))
@@ -171,7 +185,8 @@ class JointPlan:
         if disk:
             return (f"the disk tier adds {disk:.1f} s per step, {100 * disk / compute:.1f}% of the {compute:.1f} s of "
                     f"compute")
-        return f"no disk tier: the step is {compute:.1f} s of compute plus {self.step_seconds - compute:.1f} s of transfers"
+        return (f"no disk tier: the step is {compute:.1f} s of compute plus {self.step_seconds - compute:.1f} s of "
+                "recompute and transfers")
 
     def _attention_share(self) -> str:
         return f"{100 * attention_share(self.shape, self.seq_len):.0f}% of the FLOPs"
@@ -186,13 +201,27 @@ def attention_share(shape: ModelShape, seq_len: int) -> float:
     return attention / (attention + 6 * shape.params() * seq_len)
 
 
-def _candidates(shape: ModelShape, seq_len: int, gpu: int, host: int, disk: int | None, micro_batch: int,
+def _phases(shape: ModelShape, base: MemoryPlan, tokens: int, tile: int) -> tuple[dict, dict]:
+    """GPU items besides the checkpoints in the two phases that peak: a decoder layer's backward (its
+    weights, the gradients queued behind it, the layer's working set) and the head's (the largest unit's
+    weights and gradients, the loss chunk, the head's input and the gradient it returns, fp32)."""
+    layer = shape.layer_params(shape.layers - 1)
+    ws = activations.long_context_working_set(tokens, shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate,
+                                              2, tile)
+    layer_phase = {"weight slots (2 x a layer, bf16)": 2 * 2 * layer,
+                   f"weight gradients ({MAX_PENDING_SENDS + 2} x a layer, fp32)": (MAX_PENDING_SENDS + 2) * 4 * layer,
+                   "runtime": base.gpu_runtime, LAYER_WS: ws}
+    head_phase = {"weight slots (2 x the largest unit)": base.gpu_weight_slots,
+                  "weight gradients (largest unit)": base.gpu_weight_grads, "loss chunk": base.gpu_logits,
+                  "runtime": base.gpu_runtime, "the head's input and its gradient (fp32)": 2 * 4 * tokens * shape.hidden}
+    return layer_phase, head_phase
+
+
+def _candidates(shape: ModelShape, seq_len: int, host: int, disk: int | None, micro_batch: int,
                 in_flight: int, flops: float, states, base: MemoryPlan, state_host: dict, tile: int):
     h, layers = shape.hidden, shape.layers
     tokens = seq_len * micro_batch
-    ws = activations.long_context_working_set(tokens, h, shape.q_dim, shape.kv_dim, shape.intermediate, 2, tile)
-    fixed = {"weight slots": base.gpu_weight_slots, "weight gradients": base.gpu_weight_grads,
-             "loss chunk": base.gpu_logits, "runtime": base.gpu_runtime, "one layer's backward (tiled)": ws}
+    layer_phase, head_phase = _phases(shape, base, tokens, tile)
     model = 6 * shape.params() * tokens + 6 * seq_len * tokens * h * layers  # causal attention fwd + bwd
     forward = (2 * shape.params() * tokens + 2 * seq_len * tokens * h * layers)
     compute = (model + forward) / flops  # every unit's forward recomputed in its backward
@@ -206,37 +235,36 @@ def _candidates(shape: ModelShape, seq_len: int, gpu: int, host: int, disk: int 
                 held = activations.recomputed_inputs_bytes(tokens, h, interval)
                 extra = (interval - 1) / interval * forward * layers / (layers + 2) / flops
                 for home in ("gpu", "host"):
-                    g = dict(fixed)
                     hst = {"optimizer state": s_host, "headroom": DEFAULT_HEADROOM_BYTES}
-                    dsk = {"optimizer state": s_disk} if s_disk else {}
-                    if s_disk:
-                        dsk["headroom"] = DISK_HEADROOM_BYTES
+                    dsk = {"optimizer state": s_disk, "headroom": DISK_HEADROOM_BYTES} if s_disk else {}
                     sec = {label: compute}
                     if extra:
                         sec[f"recompute (checkpoint_interval={interval})"] = extra
                     host_units = disk_units = 0
                     if home == "gpu":
-                        g["checkpoints"] = kept * per
-                    else:
-                        g["checkpoints in transit"] = 2 * in_flight * per
+                        ckpts = {"checkpoints": kept * per}
+                    else:  # the head's stays on the GPU; one comes back ahead per micro-batch
+                        ckpts = {"checkpoints: the head's": in_flight * per, "checkpoints: one read ahead": in_flight * per}
+                        off = kept - in_flight
                         room = max(0, host - s_host - DEFAULT_HEADROOM_BYTES)
-                        host_units = min(kept, room // per)
-                        disk_units = kept - host_units
-                        if disk_units:
+                        host_units = min(off, room // per)
+                        if off > host_units:
                             if disk is None:
                                 continue
                             staging = (DISK_STAGING_SLOTS + in_flight - 1) * per
-                            host_units = min(kept, max(0, room - staging) // per)
-                            disk_units = kept - host_units
+                            host_units = min(off, max(0, room - staging) // per)
+                            disk_units = off - host_units
                             hst["checkpoint staging (disk tier)"] = staging
                             dsk["checkpoints"] = disk_units * per
                             dsk["checkpoint file headroom"] = CHECKPOINT_FILE_HEADROOM
                             sec["disk: checkpoints"] = disk_units * per * (1 / DISK_WRITE_BYTES_PER_S
                                                                           + 1 / DISK_READ_BYTES_PER_S)
                         hst["checkpoints"] = host_units * per
-                        sec["link: checkpoints"] = 2 * kept * per / LINK_BYTES_PER_S
+                        sec["link: checkpoints"] = 2 * off * per / LINK_BYTES_PER_S
                     if held:
-                        g[f"inputs of a block held (checkpoint_interval={interval})"] = held
+                        ckpts[f"inputs of a block held (checkpoint_interval={interval}, fp32)"] = held
+                    phases = [layer_phase | ckpts, head_phase | ckpts]
+                    g = max(phases, key=lambda items: sum(items.values()))
                     if s_disk:
                         sec["disk: optimizer state"] = s_read / DISK_READ_BYTES_PER_S + s_written / DISK_WRITE_BYTES_PER_S
                     yield JointPlan(shape, seq_len, state, CheckpointChoice(home, interval, dtype), kept, host_units,
@@ -266,13 +294,14 @@ def candidates(shape: ModelShape, seq_len: int, gpu: int, host: int, disk: int |
     base = plan_memory(shape, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, **options)
     tile = max(shape.hidden, activations.AUTO_TILE_MIN)
     state_host = {s: _state_bytes(shape, base, s, options) for s in states}
-    return list(_candidates(shape, seq_len, gpu, host, disk, micro_batch, grad_accum if layer_major else 1, flops,
+    return list(_candidates(shape, seq_len, host, disk, micro_batch, grad_accum if layer_major else 1, flops,
                             states, base, state_host, tile))
 
 
 def _best(plans: list[JointPlan], gpu: int, host: int, disk: int | None) -> JointPlan | None:
     fitting = [p for p in plans if p.fits(gpu, host, disk)]
-    return min(fitting, key=lambda p: (not p.exact, not p.state.exact, p.step_seconds), default=None)
+    return min(fitting, key=lambda p: (LOSS_RANK[p.state.optimizer_state], p.ckpt.dtype != "fp32", p.step_seconds),
+               default=None)
 
 
 def best_plan(shape: ModelShape, seq_len: int, gpu: int, host: int, disk: int | None = None, **kw) -> JointPlan | None:
@@ -321,7 +350,7 @@ def refusal(shape: ModelShape, seq_len: int, gpu: int, host: int, disk: int | No
     need_host = min((sum(p.host.values()) for p in plans if p.fits(gpu, 1 << 62, disk)), default=None)
     if need_host is not None:
         fixes.append(f"{gib(need_host)} GiB of host RAM (--host-gib)")
-    smallest_ws = min(p.gpu["one layer's backward (tiled)"] for p in plans) if plans else 0
+    smallest_ws = min(p.gpu.get(LAYER_WS, 0) for p in plans) if plans else 0
     if smallest_ws > gpu:
         fixes.append(f"fewer tokens per micro-batch: one layer's backward alone takes {gib(smallest_ws)} GiB")
     longest_txt = (f"the longest that fits is {seq} tokens ({plan.placement()})" if plan is not None
