@@ -122,5 +122,5 @@ __all__ = [
     "MegatrainError", "MegatrainConfigError", "IncompatibleOptionsError", "UnsupportedModelError",
     "TrainingDataError", "CheckpointError", "UnreadableCheckpointError", "UsageError", "AttachedModelError",
     "StreamedCallError", "DependencyError", "UnitCallableError", "UnsupportedTrlError", "HostMemoryError",
-    "PinnedMemoryError", "DiskSpaceError", "DiskIOError", "CollectiveError", "BackgroundWorkerError",
+    "PinnedMemoryError", "DiskSpaceError", "LongContextFitError", "DiskIOError", "CollectiveError", "BackgroundWorkerError",
 ]
