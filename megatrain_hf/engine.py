@@ -33,6 +33,8 @@ from .core.grads import GradSink
 from .core.ownership import LocalOwnership, ShardedOwnership
 from .core.layout import Kind
 from .core.activation_offload import CheckpointOffload
+from .core.checkpoint_disk import DiskCheckpoints
+from .runtime.activation_inputs import DeviceHome, DiskHome, HostHome
 from .core.patcher import Patcher
 from .core.sharding import UnitSharding
 from .core.store import HostStore, alias
@@ -150,8 +152,13 @@ class Engine:
         self.runner.checkpoint_interval = plan.activations.checkpoint_interval
         if plan.compile is not None:
             self.runner.compiler = _region_compiler(plan, units)
+        self._checkpoint_disk = None  # the disk tier's checkpoint file (core/checkpoint_disk.py), made on first use
+        self.runner.inputs.home = DeviceHome(plan.activations.checkpoint_dtype)
+        self.runner.inputs.device_units = frozenset({len(units) - 1})  # the head's input: never offloaded
         if plan.activations.offload_checkpoints is True:
             self._start_offload()
+        elif plan.activations.offload_checkpoints == "disk":
+            self.runner.inputs.home = DiskHome(self._disk_checkpoints())
         self._set_flops_model(model, located)
         self._gathering = False  # gather_state_dict reads state_dict() (data parallelism)
         self.chunked_loss_active = plan.loss.chunked  # the integration may turn it on ("auto")
@@ -270,6 +277,8 @@ class Engine:
         if self.streams is not None:
             self.streams.synchronize()  # no copy still reads the flats we unpin
         self.grads.close()
+        if self._checkpoint_disk is not None:
+            self._checkpoint_disk.close()
         if self.store.master_files is not None:
             self.store.master_files.close()  # the parameters keep their mapping of the masters
         self.store.release()
@@ -375,8 +384,19 @@ class Engine:
         return host_memory.available_host_bytes() if self.plan.host.check_ram else 1 << 62
 
     def _start_offload(self) -> None:
-        self.runner.offload = CheckpointOffload(self.store.allocate, self.store.free, self._available_host,
-                                                DEFAULT_HEADROOM_BYTES, self.stats, self.streams)
+        act = self.plan.activations
+        pool = CheckpointOffload(self.store.allocate, self.store.free, self._available_host,
+                                 DEFAULT_HEADROOM_BYTES, self.stats, self.streams, act.checkpoint_dtype)
+        self.runner.inputs.home = HostHome(pool, self._disk_checkpoints if act.disk_dir is not None else None)
+
+    def _disk_checkpoints(self) -> DiskCheckpoints:
+        """The disk tier's checkpoint file (made on first use: a spill, or ``offload_checkpoints="disk"``)."""
+        if self._checkpoint_disk is None:
+            act = self.plan.activations
+            pin = (lambda n: self.store.allocate(n, torch.uint8)) if self.plan.host.pin else None
+            self._checkpoint_disk = DiskCheckpoints(act.disk_dir, self.stats, self.streams, pin, act.checkpoint_dtype)
+            logger.info("megatrain: activation checkpoints on the disk tier in %s", self._checkpoint_disk.run_dir)
+        return self._checkpoint_disk
 
     @property
     def offload(self) -> CheckpointOffload | None:

@@ -103,6 +103,11 @@ class DiskSpaceError(MegatrainError, MemoryError):
     """``offload_dir``'s filesystem has too little free space for the disk tier."""
 
 
+class LongContextFitError(MegatrainError, MemoryError):
+    """No placement of the optimizer state and the activation checkpoints fits the GPU, the host RAM and the
+    disk at the sequence length asked for (``memory/long_context.py``); names the longest that fits."""
+
+
 class DiskIOError(MegatrainError, OSError):
     """A read, write, reservation or sync of the disk tier's files failed (``errno`` is the OS's)."""
 
@@ -128,6 +133,6 @@ __all__ = [
     "UnsupportedModelError",
     "TrainingDataError", "CheckpointError", "UnreadableCheckpointError", "UsageError", "AttachedModelError",
     "StreamedCallError", "DependencyError", "UnitCallableError", "UnsupportedTrlError", "HostMemoryError",
-    "PinnedMemoryError", "DiskSpaceError", "DiskIOError", "CollectiveError", "BackgroundWorkerError",
-    "LoneRankCallError",
+    "PinnedMemoryError", "DiskSpaceError", "LongContextFitError", "DiskIOError", "CollectiveError",
+    "BackgroundWorkerError", "LoneRankCallError",
 ]

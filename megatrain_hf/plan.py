@@ -141,11 +141,14 @@ class TransportPlan:
 
 @dataclass(frozen=True)
 class ActivationPlan:
-    offload_checkpoints: bool | str  # True: pinned host; False: the device; "auto": the GPU budget decides
+    offload_checkpoints: bool | str  # True: pinned host; False: the device; "auto": the GPU budget decides;
+    # "disk": files under disk_dir
     checkpoint_interval: int
     tile_tokens: int | str | None  # sequence_tile_tokens, resolved per call by memory/activations.tile_policy
     compute_bytes: int
     gpu_budget: int | None  # max_gpu_memory in bytes
+    checkpoint_dtype: torch.dtype | None = None  # checkpoint_dtype="bf16" (None: each input's own dtype)
+    disk_dir: str | None = None  # offload_dir: "disk" checkpoints, and host ones the RAM cannot take, go there
 
 
 @dataclass(frozen=True)
@@ -275,6 +278,17 @@ RULES: tuple[Rule, ...] = (
          lambda f: f.machine is not None and f.config.data_parallel is True and f.machine.world_size <= 1,
          lambda f: "megatrain: data_parallel=True but torch.distributed is not initialised with more than one "
                    "rank. Fix: launch with torchrun / accelerate launch --num_processes N, or data_parallel='auto'."),
+    Rule(("offload_checkpoints='disk'", "offload_dir=None"),
+         lambda f: f.config.offload_checkpoints == "disk" and f.config.offload_dir is None,
+         lambda f: "MegaTrainConfig(offload_checkpoints='disk') keeps the activation checkpoints in files under "
+                   "offload_dir, but offload_dir is not set. Fix: offload_dir='/nvme/megatrain' (a local disk with "
+                   "room for the checkpoints: megatrain estimate --offload-dir DIR plans it), or "
+                   "offload_checkpoints=True (pinned host RAM)."),
+    Rule(("checkpoint_dtype='bf16'", "compute_dtype fp32"),
+         lambda f: f.config.checkpoint_dtype == "bf16" and f.compute != torch.bfloat16,
+         lambda f: "MegaTrainConfig(checkpoint_dtype='bf16') rounds the activation checkpoints to bf16, but compute is "
+                   "fp32, the exact mode whose recompute needs the fp32 inputs. Fix: bf16 compute (bf16=True or "
+                   "compute_dtype='bf16'), or checkpoint_dtype='fp32' (the default)."),
     Rule(("offload_dir", "device_update"),
          lambda f: f.config.offload_dir is not None and f.config.device_update,
          lambda f: f"MegaTrainConfig(offload_dir={f.config.offload_dir!r}) does not combine with device_update=True "
@@ -433,7 +447,8 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
                       c.collective_timeout_s),
         TransportPlan(streams, (3, MAX_PENDING_SENDS + 2) if streams else (1, 1)),
         ActivationPlan(c.offload_checkpoints, c.checkpoint_interval, c.sequence_tile_tokens,
-                       torch.finfo(compute).bits // 8, budget),
+                       torch.finfo(compute).bits // 8, budget,
+                       torch.bfloat16 if c.checkpoint_dtype == "bf16" else None, c.offload_dir),
         LossPlan(c.chunked_loss is True, c.loss_chunk_tokens), tuple(notes),
         CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None)
     for key, detail in notes:

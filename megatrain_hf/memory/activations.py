@@ -124,3 +124,22 @@ def checkpoint_bytes(tokens: int, hidden: int, layers: int, interval: int = 1) -
 def recomputed_inputs_bytes(tokens: int, hidden: int, interval: int = 1) -> int:
     """With ``checkpoint_interval=k``: the k-1 inputs of a block held on the device for its backward."""
     return max(0, interval - 1) * tokens * hidden * 4
+
+
+def long_context_working_set(tokens: int, hidden: int, q_dim: int, kv_dim: int, intermediate: int,
+                             compute_bytes: int, tile: int) -> int:
+    """GPU bytes of one decoder layer's backward (recompute included) with every per-token operation
+    tiled (issue 34 item 1: norms, q/k/v with rotary, o with the residual add, the MLP), the one
+    activation model of the joint long-context plan (``memory/long_context.py``).
+
+    Full-length tensors left, per token: the layer's input as loaded from its checkpoint and the
+    gradient flowing in, fp32 (``4 h`` each; the gradient flowing out is summed into the incoming one
+    tile by tile); q, k, v and the attention output in the compute dtype (``c (2 q + 2 kv)``); their
+    gradients (``c (2 q + 2 kv)``); the attention kernel's fp32 dq accumulator (``4 q``, FlashAttention's
+    backward). Plus one tile of ``tile`` tokens of everything per-token: the MLP's intermediates
+    (:func:`mlp_tile_bytes`) and the residual stream's fp32 tensors (``4 x 6 h``). 7 B (MHA) at 512K:
+    56 GiB; Llama-3-8B (GQA, 8 KV heads): 44 GiB. The tiling work owns this function: when it
+    measures its working set, this is the number to change."""
+    full = tokens * (4 * 2 * hidden + 2 * compute_bytes * (2 * q_dim + 2 * kv_dim) + 4 * q_dim)
+    tile = min(tile, tokens)
+    return full + mlp_tile_bytes(tile, intermediate, compute_bytes) + tile * 4 * 6 * hidden

@@ -172,7 +172,7 @@ class UnitRunner:
 
     @offload.setter
     def offload(self, pool) -> None:
-        self.inputs.home = HostHome(pool) if pool is not None else DeviceHome()
+        self.inputs.home = HostHome(pool) if pool is not None else DeviceHome(self.inputs.home.dtype)
 
     @property
     def checkpoint_interval(self) -> int:
