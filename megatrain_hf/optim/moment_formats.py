@@ -97,6 +97,11 @@ class Format:
     def table(self, k: int) -> torch.Tensor:
         return torch.tensor(self.maps[k], dtype=torch.float32)
 
+    def floor_code(self, k: int) -> int:
+        """The lowest code a positive value of moment ``k`` may take: 1 where the map's lowest value
+        is 0 and ``k`` is v (a positive v never expands to 0), else 0 (no floor)."""
+        return 1 if k == 1 and self.quantized and self.maps[1][0] == 0.0 else 0
+
     def midpoints(self, k: int) -> torch.Tensor:
         q = self.table(k)
         return (q[:-1] + q[1:]) / 2  # fp32, the same numbers the native kernel receives
@@ -157,8 +162,15 @@ def expand(fmt: Format, k: int, codes: torch.Tensor, scales: torch.Tensor | None
     return values * scales.repeat_interleave(fmt.block)[:numel]
 
 
-def compress(fmt: Format, k: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None) -> None:
-    """Write fp32 ``x`` (one tensor, 1-D) into its codes (and scales) slice, in place."""
+def compress(fmt: Format, k: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
+             toward_zero: torch.Tensor | None = None) -> None:
+    """Write fp32 ``x`` (one tensor, 1-D) into its codes (and scales) slice, in place.
+
+    The code is the nearest map value's, with two exceptions (the rules of :func:`floor_code` and
+    ``toward_zero``, see the module's docstring): a positive v never takes a zero level, and where
+    ``toward_zero`` (a bool mask, m only: the elements without a gradient this step) is set, m takes
+    the nearest map value not larger in magnitude.
+    """
     if fmt.bits == 16:
         codes.copy_(x)  # round to nearest even
         return
@@ -170,6 +182,13 @@ def compress(fmt: Format, k: int, x: torch.Tensor, codes: torch.Tensor, scales: 
     per = absmax.repeat_interleave(block)[:numel]
     normed = torch.where(per > 0, x / torch.where(per > 0, per, 1.0), 0.0)
     found = torch.bucketize(normed, fmt.midpoints(k), right=True)  # count of midpoints <= x
+    floor = fmt.floor_code(k)
+    if floor:
+        found = torch.where((x > 0) & (found < floor), floor, found)
+    if toward_zero is not None:
+        value = fmt.table(k)[found]
+        away = toward_zero & (value.abs() > normed.abs())  # rounded away from zero: one code back
+        found = torch.where(away, found - torch.sign(value).long(), found)
     codes.copy_(_pack(found, fmt.bits))
 
 
