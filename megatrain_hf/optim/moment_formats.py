@@ -12,12 +12,22 @@
   (1/16 ... 16/16) for v, so that no v rounds to zero; two codes per byte (1 B/param + scales).
 
 A code is the index of the map value nearest to ``x / absmax``: the number of midpoints between
-adjacent map values that are ``<=`` it (ties round up). Expanding is ``map[code] * absmax``. Blocks
+adjacent map values that are ``<=`` it (ties round up). Expanding is ``map[code] * absmax``. Two
+exceptions keep one step of AdamW bounded where a block holds large and tiny moments (an embedding's
+rows absent from the batch beside a frequent one; issue 33):
+
+* a positive v never takes the value 0 (8-bit v: code 1, ``3.25e-7 * absmax``, where the nearest is
+  0): a v rounded to 0 while m is not turned ``m / (sqrt(v) + eps)`` into ``m / eps``, ~400x lr;
+* the m of an element whose gradient is 0 this step takes the nearest map value not larger in
+  magnitude (one code back toward 0 where the nearest is larger), so that it shrinks every step and
+  reaches 0, as exact AdamW's decays by beta1; rounded to nearest it could stay on a coarse level
+  while v stayed too, and move the row by the same step for ever. Blocks
 start at each tensor's first element (a block never spans two tensors), so a parameter without a
 gradient keeps its codes. Both kernels (``csrc/host_adamw.cpp`` and :func:`expand` /
 :func:`compress` here) do these operations in fp32 with the same IEEE ops: they agree bitwise.
 
-Round-trip bound: ``|x - expand(compress(x))| <= absmax(block) * max_error(map)``, where
+Round-trip bound (m of an element without a gradient: up to a whole gap, twice it):
+``|x - expand(compress(x))| <= absmax(block) * max_error(map)``, where
 ``max_error`` is half the largest gap between adjacent map values (for the map without zero, also
 the distance from 0 to its smallest value): 8-bit m 0.0070, v 0.0035; 4-bit m 0.1125, v 0.0625
 (:func:`error_bound`; ``tests/parity/test_quant_state.py`` checks it).
