@@ -232,6 +232,14 @@ def _why_not_host_adamw(f: _Facts) -> str:
             "an optimizer passed with its scheduler in Trainer(optimizers=(opt, sched)) is kept as it is")
 
 
+def _host_adamw_fix(f: _Facts) -> str:
+    """What makes HostAdamW take over, for the reason :func:`_why_not_host_adamw` gives."""
+    o = f.run.optimizer
+    return ("train with AdamW (optim='adamw_torch_fused', the default, or 'adamw_torch')" if not o.convertible else
+            "replace_adamw=True (the default: HostAdamW replaces the AdamW)" if not f.config.replace_adamw else
+            "leave optimizers=(...) out (Trainer then creates AdamW, which HostAdamW replaces)")
+
+
 def _host_adamw_options(c: MegaTrainConfig) -> list[str]:
     wants = [f"optimizer_state={c.optimizer_state!r}"] if c.optimizer_state != "fp32" else []
     wants += [f"offload_dir={c.offload_dir!r}"] if c.offload_dir is not None else []
@@ -339,8 +347,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("data parallelism", "an optimizer other than HostAdamW"),
          lambda f: f.host_adamw is False and f.sharded,
          lambda f: f"megatrain data parallelism over {f.machine.world_size} ranks needs its HostAdamW (each rank "
-                   f"updates the units it owns), but {_why_not_host_adamw(f)}. Fix: optim='adamw_torch_fused' (or "
-                   "'adamw_torch') and no optimizers=(...) argument, or run one process."),
+                   f"updates the units it owns), but {_why_not_host_adamw(f)}. Fix: {_host_adamw_fix(f)}, or "
+                   "data_parallel=False (each rank trains alone), or run one process."),
     Rule(("compile_mode", "CUDA graphs"),
          lambda f: f.config.compile and f.config.compile_mode in CUDA_GRAPH_MODES,
          lambda f: f"MegaTrainConfig(compile_mode={f.config.compile_mode!r}) (TrainingArguments.torch_compile_mode) "

@@ -28,8 +28,10 @@ class EntryState:
     def expand(self, fmt: Format, k: int) -> torch.Tensor:
         return expand(fmt, k, self.codes[k], self.scales[k], self.numel)
 
-    def assign(self, fmt: Format, k: int, x: torch.Tensor) -> None:
-        compress(fmt, k, x.reshape(-1).to(torch.float32), self.codes[k], self.scales[k])
+    def assign(self, fmt: Format, k: int, x: torch.Tensor, toward_zero: torch.Tensor | None = None) -> None:
+        """Compress ``x`` into moment ``k``; ``toward_zero``: see :func:`moment_formats.compress`."""
+        mask = None if toward_zero is None else toward_zero.reshape(-1)
+        compress(fmt, k, x.reshape(-1).to(torch.float32), self.codes[k], self.scales[k], mask)
 
 
 def tensor_names(fmt: Format) -> list[str]:

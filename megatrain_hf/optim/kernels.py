@@ -76,8 +76,8 @@ def torch_update(w: GroupWork) -> None:
         found_inf=None,
     )
     if w.compressed is not None:
-        for s, m, v in zip(w.compressed, exp_avgs, exp_avg_sqs):
-            s.assign(w.fmt, 0, m)
+        for s, m, v, g in zip(w.compressed, exp_avgs, exp_avg_sqs, grads):
+            s.assign(w.fmt, 0, m, g == 0)  # no gradient: m rounds toward zero (moment_formats.py)
             s.assign(w.fmt, 1, v)
 
 

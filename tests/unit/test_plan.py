@@ -95,10 +95,17 @@ ROWS = [
     ("data parallelism with SGD", {}, dict(world_size=2), dict(optimizer=SGD),
      ("refused", IncompatibleOptionsError, r"data parallelism over 2 ranks needs its HostAdamW .*, but the optimizer "
                                            r"is SGD\. Fix")),
+    ("data parallelism with replace_adamw=False", dict(replace_adamw=False), dict(world_size=2), dict(optimizer=ADAMW),
+     ("refused", IncompatibleOptionsError, r"data parallelism over 2 ranks needs its HostAdamW .*, but "
+                                           r"replace_adamw=False keeps torch's AdamW\. Fix: replace_adamw=True .*"
+                                           r"or data_parallel=False")),
+    ("data parallelism with a kept optimizer", {}, dict(world_size=2), dict(optimizer=KEPT),
+     ("refused", IncompatibleOptionsError, r"needs its HostAdamW .* is kept as it is\. Fix: leave optimizers=\(\.\.\.\) "
+                                           r"out")),
     ("RAM short", dict(host_staging=True), dict(ram_available=ram(spare=-1)), dict(bf16=True),
-     ("refused", HostMemoryError, r"megatrain needs .* GiB of host RAM")),
+     ("refused", HostMemoryError, r"(?s)megatrain needs [\d.]+ MiB of host RAM .*short by +1 B\n")),
     ("disk short", dict(offload_dir="DIR", offload_state="moments"), dict(disk_free=2**20), {},
-     ("refused", DiskSpaceError, r"disk tier needs .* but its filesystem has 0\.00 GiB free")),
+     ("refused", DiskSpaceError, r"disk tier needs [\d.]+ MiB .* but its filesystem has 1\.00 MiB free")),
     # ------------------------------------------------------------------ adjusted
     ("compute auto follows bf16", {}, {}, dict(bf16=True),
      ("adjusts", "compute_dtype auto", lambda p: p.precision.compute == torch.bfloat16)),
