@@ -13,15 +13,16 @@ install:
 demo: install
 	$(PY) examples/demo.py
 
-# the CPU suite (what CI runs; ~5 min on 2 cores): every test but the GPU ones; -rs lists each
+# the CPU suite (what CI runs; ~12 min on 2 cores): every test but the GPU ones; -rs lists each
 # skipped test with its reason (a missing optional package, no GPU, ...)
 test: install
 	$(PY) -m pytest -m "not gpu" -q -rs
 
-# the same without the tests marked `slow` (> ~20 s each on a 2-core CPU, or training runs in subprocesses):
-# a quick check while editing
+# a quick check while editing (~3 min on 2 cores): without the tests marked `slow` (> ~20 s each on a
+# 2-core CPU, or training runs in subprocesses), and one case of each parametrized test (--fast,
+# tests/conftest.py: its first parameter set, e.g. llama of the family sweeps)
 test-fast: install
-	$(PY) -m pytest -m "not gpu and not slow" -q -rs
+	$(PY) -m pytest -m "not gpu and not slow" --fast -q -rs
 
 # the lowest versions pyproject.toml accepts (transformers, accelerate, peft, trl) in a clean venv,
 # on a fast subset of the tests (.ci/lower_bounds.sh says which)

@@ -33,13 +33,15 @@ from .core.grads import GradSink
 from .core.ownership import LocalOwnership, ShardedOwnership
 from .core.layout import Kind
 from .core.activation_offload import CheckpointOffload
+from .core.checkpoint_disk import DiskCheckpoints
+from .runtime.activation_inputs import DeviceHome, DiskHome, HostHome
 from .core.patcher import Patcher
 from .core.sharding import UnitSharding
 from .core.store import HostStore, alias
 from .core.streamer import Streamer
 from .core.streams import streams_for
 from .core.template import TemplateCache
-from .models.checks import check_coverage, check_fp32, prepare_graph_call
+from .models.checks import check_coverage, check_fp32, check_liger_head, dropout_modules, prepare_graph_call
 from .models.families import INPUT_KWARGS, family_of, unwrap
 from .models.flops import flops_parameters
 from .models.model_patches import install_model
@@ -52,6 +54,7 @@ from .memory.host import DEFAULT_HEADROOM_BYTES
 from .optim.tier_files import TierFiles
 from .plan import Machine, Run, check, resolve
 from .runtime import layer_major
+from .runtime.compiled import RegionCompiler
 from .runtime.streamed_call import Unit, UnitRunner
 from .stats import EngineStats
 
@@ -81,6 +84,9 @@ class Engine:
         self.family = family_of(model)
         located = self.family.locate(model)
         check_coverage(model, located)
+        check_liger_head(model)
+        if config.compile:
+            _check_compile_dropout(model)
         named = list(zip(located.names, located.modules))
         deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
         schemes = quantized_weights(model, config.base_quantization,
@@ -140,14 +146,26 @@ class Engine:
                                  INPUT_KWARGS, prepare_graph_call)
         self.runner.tile_policy = activations.tile_policy(plan.activations.tile_tokens, plan.activations.compute_bytes,
                                                           self.budget.budget)
+        self.runner.layer_recipe = self.family.layer_recipe  # whole decoder layers tiled (models/layer_recipes.py)
+        self._longest_sequence = 0
+        self.runner.on_sequence = self._check_sequence
         self.runner.checkpoint_interval = plan.activations.checkpoint_interval
+        if plan.compile is not None:
+            self.runner.compiler = _region_compiler(plan, units)
+        self._checkpoint_disk = None  # the disk tier's checkpoint file (core/checkpoint_disk.py), made on first use
+        self.runner.inputs.home = DeviceHome(plan.activations.checkpoint_dtype)
+        self.runner.inputs.device_units = frozenset({len(units) - 1})  # the head's input: never offloaded
         if plan.activations.offload_checkpoints is True:
             self._start_offload()
+        elif plan.activations.offload_checkpoints == "disk":
+            self.runner.inputs.home = DiskHome(self._disk_checkpoints())
         self._set_flops_model(model, located)
         self._gathering = False  # gather_state_dict reads state_dict() (data parallelism)
         self.chunked_loss_active = plan.loss.chunked  # the integration may turn it on ("auto")
         self.chunked_loss_installed = False
         self._install(model)
+        for unit in units:  # what _install set on the real modules is the engine's own: never mirrored
+            unit.mirror.seal()
         logger.info(
             "megatrain attached: %d units (%d templates), %.1fM trainable params, %.2f GiB host, compute %s on %s",
             len(units), self.num_templates, self.store.trainable_numel() / 1e6, self.store.host_bytes() / 2**30,
@@ -171,6 +189,14 @@ class Engine:
             torch.set_num_threads(threads)
             self.patcher.on_undo(lambda: torch.set_num_threads(before))
 
+    def _check_sequence(self, seq: int) -> None:
+        """A training sequence longer than any before: the plan's rules that depend on the length
+        (the attention kernel at long context, ``plan.py``)."""
+        if seq > self._longest_sequence:
+            config = getattr(unwrap(self.model), "config", None)
+            self.plan.check(seq_len=seq, attention=getattr(config, "_attn_implementation", None))
+            self._longest_sequence = seq
+
     def _set_flops_model(self, model: nn.Module, located) -> None:
         self.trainable_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.stats.set_flops_model(*flops_parameters(model, located))
@@ -183,6 +209,10 @@ class Engine:
                       self.store.mark_dirty, self._check_state_readable if self.store.remote else None,
                       frozenset(id(e.tensor) for u in self.store.remote for e in self.store.owned_trainable(u)))
         self._install_chunked_loss(unwrap(model))
+        if self.sharding is not None and any(map(self.store.n_train, range(len(self.units)))):
+            # every forward broadcasts the units' masters: every model call is collective (core/sharding.py)
+            base = unwrap(model)
+            patcher.hook(base, base.register_forward_pre_hook(self._agree_on_call, with_kwargs=True))
         # torch keeps global hooks forever: one module-level hook dispatches to the live engines, held weakly,
         # so a dropped model is freed and no hook is removed while torch iterates over them
         _STEPPED_ENGINES.add(self)
@@ -211,6 +241,11 @@ class Engine:
                                   lambda: self.chunked_loss_active)
         self.patcher.set_attr(base, "forward", forward)
         self.chunked_loss_installed = True
+
+    def _agree_on_call(self, module: nn.Module, args, kwargs) -> None:
+        training = module.training and torch.is_grad_enabled()
+        self.sharding.agree_on_call("a training forward" if training else
+                                    "a model call without gradients or in eval mode (generate, evaluation)", training)
 
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if getattr(optimizer, "marks_store_dirty", False):
@@ -257,6 +292,8 @@ class Engine:
         if self.streams is not None:
             self.streams.synchronize()  # no copy still reads the flats we unpin
         self.grads.close()
+        if self._checkpoint_disk is not None:
+            self._checkpoint_disk.close()
         if self.store.tier_files is not None:
             self.store.tier_files.close()  # the parameters keep their mapping of the masters
         self.store.release()
@@ -362,8 +399,19 @@ class Engine:
         return host_memory.available_host_bytes() if self.plan.host.check_ram else 1 << 62
 
     def _start_offload(self) -> None:
-        self.runner.offload = CheckpointOffload(self.store.allocate, self.store.free, self._available_host,
-                                                DEFAULT_HEADROOM_BYTES, self.stats, self.streams)
+        act = self.plan.activations
+        pool = CheckpointOffload(self.store.allocate, self.store.free, self._available_host,
+                                 DEFAULT_HEADROOM_BYTES, self.stats, self.streams, act.checkpoint_dtype)
+        self.runner.inputs.home = HostHome(pool, self._disk_checkpoints if act.disk_dir is not None else None)
+
+    def _disk_checkpoints(self) -> DiskCheckpoints:
+        """The disk tier's checkpoint file (made on first use: a spill, or ``offload_checkpoints="disk"``)."""
+        if self._checkpoint_disk is None:
+            act = self.plan.activations
+            pin = (lambda n: self.store.allocate(n, torch.uint8)) if self.plan.host.pin else None
+            self._checkpoint_disk = DiskCheckpoints(act.disk_dir, self.stats, self.streams, pin, act.checkpoint_dtype)
+            logger.info("megatrain: activation checkpoints on the disk tier in %s", self._checkpoint_disk.run_dir)
+        return self._checkpoint_disk
 
     @property
     def offload(self) -> CheckpointOffload | None:
@@ -446,20 +494,26 @@ def _unit_forward(engine_ref: weakref.ref, u: int, *args, **kwargs) -> torch.Ten
 
 
 def attach(model: nn.Module, config: MegaTrainConfig | None = None, *, device: torch.device | str | None = None,
-           bf16: bool = False, streams=None, frozen_in_wire_dtype: bool = True) -> Engine:
+           bf16: bool = False, streams=None, frozen_in_wire_dtype: bool | None = None) -> Engine:
     """Attach the engine to ``model`` (on the CPU, fp32 masters) and return its handle.
 
     ``device``/``bf16`` are what the Trainer would use (its ``args.device`` and ``args.bf16``);
     ``config`` overrides them. Attaching twice raises; ``handle.detach()`` undoes everything but
     the parameters' new home in host flats. ``streams``: for tests, ``core.streams.EmulatedStreams()``
-    runs the CUDA transfer pipelines on the CPU. ``frozen_in_wire_dtype=False``: frozen weights stay
-    fp32 on the host (for weights edited in place; twice the bytes of bf16).
+    runs the CUDA transfer pipelines on the CPU. ``frozen_in_wire_dtype``: frozen weights stored in
+    the wire dtype (bf16 matrices: half the bytes; rounded once on the host), or as they are (fp32,
+    rounded on the device; for weights edited in place or written by a checkpoint). ``None``: in the
+    wire dtype for a PEFT model (its checkpoints hold the adapters, not the frozen base) and as they are
+    otherwise, so that ``save_model`` / ``state_dict`` write a partly frozen model's frozen weights
+    bit-equal to plain training's.
     """
     config = config or MegaTrainConfig()
     if engine_of(model) is not None:
         raise UsageError("megatrain is already attached to this model; call handle.detach() first.")
     check_fp32(model)
     dev = config.resolve_device(torch.device(device) if device is not None else None)
+    if frozen_in_wire_dtype is None:
+        frozen_in_wire_dtype = hasattr(model, "peft_config")
     return Engine(model, config, dev, config.resolve_dtype(trainer_bf16=bf16), streams=streams,
                   frozen_in_wire_dtype=frozen_in_wire_dtype)
 
@@ -497,3 +551,23 @@ def engine_of(model: nn.Module) -> Engine | None:
             model.get_base_model() if hasattr(model, "get_base_model") else None
         )
     return None
+
+
+def _check_compile_dropout(model: nn.Module) -> None:
+    """``compile=True`` is refused with dropout (before the model is touched)."""
+    dropout = dropout_modules(model)
+    if dropout:
+        raise IncompatibleOptionsError(
+            f"MegaTrainConfig(compile=True) (TrainingArguments(torch_compile=True)) with dropout in the model "
+            f"({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}): a compiled layer draws its random "
+            "masks with other kernels than eager (inductor's own generator), so its recompute and the loss would not "
+            "be those of the eager model. Fix: set the model's dropout probabilities to 0 (e.g. "
+            "attention_dropout=0.0, as most fine-tuning recipes do), or leave compile off."
+        )
+
+
+def _region_compiler(plan, units: list[Unit]) -> RegionCompiler:
+    """``compile=True``: the compiled layer templates (``runtime/compiled.py``)."""
+    compiler = RegionCompiler(plan.compile.backend, plan.compile.mode)
+    compiler.set_units(units)
+    return compiler

@@ -34,6 +34,11 @@ class IncompatibleOptionsError(MegatrainConfigError):
 
 
 # ---------------------------------------------------------------------------------- models, data, files
+class AttentionKernelError(IncompatibleOptionsError):
+    """Long context asked of an attention kernel that materialises the ``seq x seq`` scores (HF's
+    eager attention): the rule of ``plan.py``, checked when a training sequence first reaches it."""
+
+
 class UnsupportedModelError(MegatrainError, ValueError):
     """The model (or the checkpoint it is read from) has a family, layout, dtype or placement that
     megatrain cannot stream."""
@@ -98,6 +103,11 @@ class DiskSpaceError(MegatrainError, MemoryError):
     """``offload_dir``'s filesystem has too little free space for the disk tier."""
 
 
+class LongContextFitError(MegatrainError, MemoryError):
+    """No placement of the optimizer state and the activation checkpoints fits the GPU, the host RAM and the
+    disk at the sequence length asked for (``memory/long_context.py``); names the longest that fits."""
+
+
 class DiskIOError(MegatrainError, OSError):
     """A read, write, reservation or sync of the disk tier's files failed (``errno`` is the OS's)."""
 
@@ -108,14 +118,21 @@ class CollectiveError(MegatrainError, RuntimeError):
     another rank stopped or raised."""
 
 
+class LoneRankCallError(UsageError):
+    """Under data parallelism a model call (a forward, ``generate``, an evaluation) was made on some ranks
+    and not the others: each rank holds only its units, so every model call is collective."""
+
+
 class BackgroundWorkerError(MegatrainError, RuntimeError):
     """A host worker thread (gradient accumulation, the optimizer update, a layer-major micro-batch)
     failed or ended; the original error is chained (``__cause__``)."""
 
 
 __all__ = [
-    "MegatrainError", "MegatrainConfigError", "IncompatibleOptionsError", "UnsupportedModelError",
+    "MegatrainError", "MegatrainConfigError", "IncompatibleOptionsError", "AttentionKernelError",
+    "UnsupportedModelError",
     "TrainingDataError", "CheckpointError", "UnreadableCheckpointError", "UsageError", "AttachedModelError",
     "StreamedCallError", "DependencyError", "UnitCallableError", "UnsupportedTrlError", "HostMemoryError",
-    "PinnedMemoryError", "DiskSpaceError", "DiskIOError", "CollectiveError", "BackgroundWorkerError",
+    "PinnedMemoryError", "DiskSpaceError", "LongContextFitError", "DiskIOError", "CollectiveError",
+    "BackgroundWorkerError", "LoneRankCallError",
 ]

@@ -27,7 +27,7 @@ from .config import MegaTrainConfig
 from .core.grad_accumulators import BF16_FIX
 from .core.grads import MAX_PENDING_SENDS
 from .core.layout import UnitSizes
-from .errors import IncompatibleOptionsError
+from .errors import AttentionKernelError, IncompatibleOptionsError
 from .memory import disk as disk_memory
 from .memory import host as host_memory
 from .memory.disk import DiskTier
@@ -35,6 +35,10 @@ from .optim.moment_formats import Format as MomentFormat
 from .optim.moment_formats import format_of
 
 logger = logging.getLogger(__name__)
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""``torch.compile`` modes that capture CUDA graphs: refused with ``compile`` (the layer template computes with
+other weight tensors at every layer and step, which a graph would copy into its static inputs)."""
 
 
 # ---------------------------------------------------------------------------------- inputs
@@ -86,6 +90,8 @@ class Run:
     grad_accum: int | None = None  # micro-batches per optimizer step
     optimizer: OptimizerChoice | None = None
     emulated_streams: bool = False  # the CUDA transfer pipelines emulated on the CPU (tests)
+    seq_len: int | None = None  # the longest training sequence seen so far (the engine, per new maximum)
+    attention: str | None = None  # the model's attention kernel (config._attn_implementation)
 
 
 # ---------------------------------------------------------------------------------- the plan's sections
@@ -135,17 +141,26 @@ class TransportPlan:
 
 @dataclass(frozen=True)
 class ActivationPlan:
-    offload_checkpoints: bool | str  # True: pinned host; False: the device; "auto": the GPU budget decides
+    offload_checkpoints: bool | str  # True: pinned host; False: the device; "auto": the GPU budget decides;
+    # "disk": files under disk_dir
     checkpoint_interval: int
     tile_tokens: int | str | None  # sequence_tile_tokens, resolved per call by memory/activations.tile_policy
     compute_bytes: int
     gpu_budget: int | None  # max_gpu_memory in bytes
+    checkpoint_dtype: torch.dtype | None = None  # checkpoint_dtype="bf16" (None: each input's own dtype)
+    disk_dir: str | None = None  # offload_dir: "disk" checkpoints, and host ones the RAM cannot take, go there
 
 
 @dataclass(frozen=True)
 class LossPlan:
     chunked: bool  # at attach; "auto" is turned on by the Trainer integration under plain Trainer
     chunk_tokens: int | None
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    backend: str  # torch.compile backend of the layer templates (runtime/compiled.py)
+    mode: str | None
 
 
 @dataclass(frozen=True)
@@ -164,6 +179,7 @@ class TrainingPlan:
     activations: ActivationPlan
     loss: LossPlan
     adjustments: tuple[tuple[str, str], ...] = field(default=())  # (ADJUSTMENTS key, detail): what the plan changed
+    compile: CompilePlan | None = None  # regional compilation of the layer templates; None: eager
 
     @property
     def device(self) -> torch.device:
@@ -216,6 +232,14 @@ def _why_not_host_adamw(f: _Facts) -> str:
             "an optimizer passed with its scheduler in Trainer(optimizers=(opt, sched)) is kept as it is")
 
 
+def _host_adamw_fix(f: _Facts) -> str:
+    """What makes HostAdamW take over, for the reason :func:`_why_not_host_adamw` gives."""
+    o = f.run.optimizer
+    return ("train with AdamW (optim='adamw_torch_fused', the default, or 'adamw_torch')" if not o.convertible else
+            "replace_adamw=True (the default: HostAdamW replaces the AdamW)" if not f.config.replace_adamw else
+            "leave optimizers=(...) out (Trainer then creates AdamW, which HostAdamW replaces)")
+
+
 def _host_adamw_options(c: MegaTrainConfig) -> list[str]:
     wants = [f"optimizer_state={c.optimizer_state!r}"] if c.optimizer_state != "fp32" else []
     wants += [f"offload_dir={c.offload_dir!r}"] if c.offload_dir is not None else []
@@ -234,7 +258,27 @@ def _masters_need_staging(why: str) -> Callable[[_Facts], str]:
                       "offload_state='moments'.")
 
 
+LONG_CONTEXT_TOKENS = 16384
+"""From this many tokens per sequence a kernel that materialises the scores is refused: HF's eager
+attention holds ``heads x seq x seq`` scores and probabilities per layer (32 heads at 16K tokens:
+16 GiB of bf16 scores for one sequence, and as much again for their gradient)."""
+
+
+def _eager_at_long_context(f: _Facts) -> str:
+    n = f.run.seq_len
+    return (f"megatrain: a training sequence of {n} tokens with attn_implementation='eager': HF's eager attention "
+            f"materialises the scores of every head ({n} x {n} = {n * n / 2**30:.2f} Gi elements per head and layer, "
+            "with their softmax and gradients), which no sequence tiling bounds. Fix: load the model with "
+            "attn_implementation='sdpa' (PyTorch's flash backend on CUDA) or 'flash_attention_2' (pip install "
+            "flash-attn; packed batches through position_ids, without a mask); for Gemma 2's attention soft-capping, "
+            "'flash_attention_2' or 'flex_attention' keep it (sdpa drops it); or train shorter sequences "
+            f"(< {LONG_CONTEXT_TOKENS} tokens).")
+
+
 RULES: tuple[Rule, ...] = (
+    Rule((f"long context (sequences of {LONG_CONTEXT_TOKENS}+ tokens)", "attn_implementation='eager'"),
+         lambda f: f.run.attention == "eager" and (f.run.seq_len or 0) >= LONG_CONTEXT_TOKENS,
+         _eager_at_long_context, AttentionKernelError),
     Rule(("device", "machine: CUDA"),
          lambda f: f.machine is not None and f.machine.device.type == "cuda" and not f.machine.cuda,
          lambda f: f"device {f.machine.device} was asked for but CUDA is not available; use device='cpu'."),
@@ -242,6 +286,17 @@ RULES: tuple[Rule, ...] = (
          lambda f: f.machine is not None and f.config.data_parallel is True and f.machine.world_size <= 1,
          lambda f: "megatrain: data_parallel=True but torch.distributed is not initialised with more than one "
                    "rank. Fix: launch with torchrun / accelerate launch --num_processes N, or data_parallel='auto'."),
+    Rule(("offload_checkpoints='disk'", "offload_dir=None"),
+         lambda f: f.config.offload_checkpoints == "disk" and f.config.offload_dir is None,
+         lambda f: "MegaTrainConfig(offload_checkpoints='disk') keeps the activation checkpoints in files under "
+                   "offload_dir, but offload_dir is not set. Fix: offload_dir='/nvme/megatrain' (a local disk with "
+                   "room for the checkpoints: megatrain estimate --offload-dir DIR plans it), or "
+                   "offload_checkpoints=True (pinned host RAM)."),
+    Rule(("checkpoint_dtype='bf16'", "compute_dtype fp32"),
+         lambda f: f.config.checkpoint_dtype == "bf16" and f.compute != torch.bfloat16,
+         lambda f: "MegaTrainConfig(checkpoint_dtype='bf16') rounds the activation checkpoints to bf16, but compute is "
+                   "fp32, the exact mode whose recompute needs the fp32 inputs. Fix: bf16 compute (bf16=True or "
+                   "compute_dtype='bf16'), or checkpoint_dtype='fp32' (the default)."),
     Rule(("offload_dir", "device_update"),
          lambda f: f.config.offload_dir is not None and f.config.device_update,
          lambda f: f"MegaTrainConfig(offload_dir={f.config.offload_dir!r}) does not combine with device_update=True "
@@ -292,8 +347,14 @@ RULES: tuple[Rule, ...] = (
     Rule(("data parallelism", "an optimizer other than HostAdamW"),
          lambda f: f.host_adamw is False and f.sharded,
          lambda f: f"megatrain data parallelism over {f.machine.world_size} ranks needs its HostAdamW (each rank "
-                   f"updates the units it owns), but {_why_not_host_adamw(f)}. Fix: optim='adamw_torch_fused' (or "
-                   "'adamw_torch') and no optimizers=(...) argument, or run one process."),
+                   f"updates the units it owns), but {_why_not_host_adamw(f)}. Fix: {_host_adamw_fix(f)}, or "
+                   "data_parallel=False (each rank trains alone), or run one process."),
+    Rule(("compile_mode", "CUDA graphs"),
+         lambda f: f.config.compile and f.config.compile_mode in CUDA_GRAPH_MODES,
+         lambda f: f"MegaTrainConfig(compile_mode={f.config.compile_mode!r}) (TrainingArguments.torch_compile_mode) "
+                   "captures CUDA graphs, but the compiled layer template computes with other weight tensors at "
+                   "every layer and step (streamed), which a graph would copy into its static inputs each replay. "
+                   "Fix: compile_mode=None (torch_compile_mode unset) or 'max-autotune-no-cudagraphs'."),
 )
 
 
@@ -394,8 +455,10 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
                       c.collective_timeout_s),
         TransportPlan(streams, (3, MAX_PENDING_SENDS + 2) if streams else (1, 1)),
         ActivationPlan(c.offload_checkpoints, c.checkpoint_interval, c.sequence_tile_tokens,
-                       torch.finfo(compute).bits // 8, budget),
-        LossPlan(c.chunked_loss is True, c.loss_chunk_tokens), tuple(notes))
+                       torch.finfo(compute).bits // 8, budget,
+                       torch.bfloat16 if c.checkpoint_dtype == "bf16" else None, c.offload_dir),
+        LossPlan(c.chunked_loss is True, c.loss_chunk_tokens), tuple(notes),
+        CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None)
     for key, detail in notes:
         logger.log(logging.INFO if key in ("staging dropped", "state to disk") else logging.DEBUG,
                    "megatrain plan: %s x %s: %s%s", *ADJUSTMENTS[key][0], ADJUSTMENTS[key][1],

@@ -5,9 +5,11 @@ estimate): per trained token, ``6 N + 12 L H Q S``, with ``N`` the parameters of
 all parameters except the input-embedding lookup tables (a table tied to the head counts once, as
 the head; of a mixture-of-experts layer's routed experts, the ``experts_per_token`` a token
 activates) -- ``L`` layers, ``H`` attention heads, ``Q`` the head dimension and ``S`` the sequence
-length; causal attention is counted in full (not halved) and the engine's recompute is not
-counted. With frozen parameters (LoRA) the weight-gradient third counts only the trainable ones:
-``4 N + 2 N_trainable + 12 L H Q S``.
+length; the engine's recompute is not counted. Two named conventions differ in the attention term
+(``FLOPS_CONVENTIONS``): ``"palm"`` counts causal attention in full, as PaLM does
+(``megatrain/tflops``); ``"palm_causal"`` halves it, ``6 N + 6 L H Q S``, the work a causal
+kernel does (``megatrain/tflops_causal``). With frozen parameters (LoRA) the weight-gradient third
+counts only the trainable ones: ``4 N + 2 N_trainable + 12 L H Q S`` (``6 L H Q S`` causal).
 
 Metric levels (``MegaTrainConfig(metrics=...)``): ``"basic"`` -- throughput (tokens/s, TFLOPS),
 the waits the step exposes (on the optimizer, on gradient transfers, on uploads), host RSS and
@@ -26,10 +28,21 @@ import torch
 from .errors import MegatrainConfigError
 
 
+FLOPS_CONVENTIONS = {
+    "palm": "6*N + 12*L*H*Q*S per token: PaLM's (Chowdhery et al. 2022, App. B), causal attention counted in full",
+    "palm_causal": "6*N + 6*L*H*Q*S per token: PaLM's with the attention term halved for causal attention "
+                   "(the score and value matmuls of the lower triangle only)",
+}
+"""The FLOPs conventions the metrics and the bench report, by name (module docstring)."""
+
+
 def model_flops_per_token(matmul_params: int, trainable_matmul_params: int, layers: int, heads: int,
-                          head_dim: int, seq_len: int) -> float:
-    """Training FLOPs per token by the convention of the module docstring."""
-    return 4.0 * matmul_params + 2.0 * trainable_matmul_params + 12.0 * layers * heads * head_dim * seq_len
+                          head_dim: int, seq_len: int, convention: str = "palm") -> float:
+    """Training FLOPs per token by ``convention`` (``FLOPS_CONVENTIONS``)."""
+    if convention not in FLOPS_CONVENTIONS:
+        raise MegatrainConfigError(f"FLOPs convention {convention!r}; known: {sorted(FLOPS_CONVENTIONS)}")
+    attention = (6.0 if convention == "palm_causal" else 12.0) * layers * heads * head_dim * seq_len
+    return 4.0 * matmul_params + 2.0 * trainable_matmul_params + attention
 
 
 @dataclass
@@ -39,10 +52,12 @@ class EngineStats:
     forward_units: int = 0
     backward_units: int = 0
     tiled_calls: int = 0  # unit computes (forwards and recomputes) whose MLP ran over sequence tiles
+    tiled_layer_calls: int = 0  # of those, the ones whose every per-token operation ran over tiles (a layer recipe)
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     tokens: int = 0  # token ids entering the embedding in training calls
-    model_flops: float = 0.0  # by the convention of the module docstring
+    model_flops: float = 0.0  # by the "palm" convention of the module docstring
+    model_flops_causal: float = 0.0  # by "palm_causal"
     optimizer_wait_s: float = 0.0  # training thread blocked on a background HostAdamW update
     grad_wait_s: float = 0.0  # backward blocked on gradient transfers (queue full, or the last ones at its end)
     grad_stream_bytes: int = 0  # bytes the grad stream moved: gradients down, accumulators up
@@ -66,6 +81,7 @@ class EngineStats:
         self.tokens += tokens
         if self._flops_model is not None:
             self.model_flops += tokens * model_flops_per_token(*self._flops_model, seq_len)
+            self.model_flops_causal += tokens * model_flops_per_token(*self._flops_model, seq_len, "palm_causal")
 
     def reset(self) -> None:
         for f in fields(self):
@@ -101,6 +117,7 @@ class Metrics:
             elapsed = max(now - self._last, 1e-9)
             out["megatrain/tokens_per_s"] = stats.tokens / elapsed
             out["megatrain/tflops"] = stats.model_flops / elapsed / 1e12
+            out["megatrain/tflops_causal"] = stats.model_flops_causal / elapsed / 1e12
             out["megatrain/optimizer_wait_frac"] = stats.optimizer_wait_s / elapsed
             if cuda:
                 out["megatrain/grad_wait_frac"] = stats.grad_wait_s / elapsed
@@ -117,6 +134,9 @@ class Metrics:
         if cuda:
             out["megatrain/gpu_peak_allocated_GiB"] = engine.budget.peak_allocated() / 2**30
             out["megatrain/gpu_peak_reserved_GiB"] = engine.budget.peak_reserved() / 2**30
+        compiler = engine.runner.compiler  # compile=True: cumulative graphs, breaks, recompiles
+        if compiler is not None:
+            out.update(compiler.metrics())
         if full:
             out.update(self._details(engine, optimizer, now, cuda))
         stats.reset()

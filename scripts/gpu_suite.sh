@@ -82,6 +82,18 @@
 #   longctx-more          the same at 256K with checkpoint_interval=2 (the plan's placement), 1 measured
 #                         step (~250 s by the FLOPs); 512K does not fit 139 GiB by the plan (estimate says
 #                         so) and would take ~1000 s a step                               ~400 s
+#   speed-16k             issue 36's speed options at the baselines-16k workload (3.14 B, 16K tokens/step, ga 1,
+#                         8 warm-up + 8 measured), side by side in one invocation: megatrain with its defaults,
+#                         megatrain_compile (TrainingArguments(torch_compile=True): its layer templates compiled
+#                         by inductor), megatrain_liger (use_liger_kernel=True: Liger's RMSNorm/SwiGLU/rotary in
+#                         the layers; needs liger-kernel, e.g. its wheel in .whl/), plain; not measured before:
+#                         megatrain ~85 s, +~60-120 s of compile guessed, liger ~85 s, plain ~50 s  ~480 s
+#   speed-16k-plain       the same workload, plain Trainer with the same options: plain_compile (whole model
+#                         compiled), plain_liger (Liger with its fused linear cross-entropy); not measured
+#                         before: ~50 s + compile, ~50 s                                  ~300 s
+#   speed-7b              7 B (Llama-2 shape), 8 x 8K (seq 4096 x mb 2 x ga 8), 2 warm-up + 3 measured: megatrain
+#                         defaults, megatrain_compile, megatrain_liger (the goal: >= 400 TFLOPS with the speed
+#                         options); not measured before: ~120 s each, +~100 s of compile  ~480 s
 #   NAME (letters, digits, _) with BENCH_ARGS_NAME set: `megatrain bench $BENCH_ARGS_NAME`, megatrain's
 #                         options from CONFIG_NAME (JSON), earlier results in out/NAME merged (--merge)
 # The DeepSpeed warm-up is 8 steps at 16K: with 2, its measured steps still got faster
@@ -108,6 +120,9 @@ ARGS[baselines-16k]="$B16 --systems megatrain,deepspeed,deepspeed_zero2,plain --
 ARGS[baselines-16k-more]="$B16 --systems deepspeed_offloadpp,deepspeed_zenflow,fsdp2 --timeout 300"
 ARGS[baselines-4x16k]="$B64 --systems megatrain,deepspeed,plain --timeout 300"
 ARGS[baselines-4x16k-more]="$B64 --systems deepspeed_zero2,deepspeed_offloadpp,fsdp2 --timeout 300"
+ARGS[speed-16k]="$B16 --systems megatrain,megatrain_compile,megatrain_liger,plain --timeout 300"
+ARGS[speed-16k-plain]="$B16 --systems plain_compile,plain_liger --timeout 280"
+ARGS[speed-7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 2 --steps 3 --systems megatrain,megatrain_compile,megatrain_liger --timeout 300"
 ARGS[1.36b]="--model llama-1.36b --seq-len 2048 --micro-batch 8 --grad-accum 4 --warmup-steps 4 --steps 6 --systems megatrain,plain --timeout 200"
 # soak: 500 steps at 8K tokens each; every step records host RSS and CUDA memory (flat or not)
 ARGS[soak]="--model llama-1.36b --seq-len 4096 --micro-batch 2 --grad-accum 1 --warmup-steps 5 --steps 500 --systems megatrain --timeout 540"
@@ -123,8 +138,8 @@ CONFIG_QLORA='{"max_gpu_memory": "24GiB"}'
 ARGS[7b]="--model llama-7b --seq-len 4096 --micro-batch 2 --grad-accum 8 --warmup-steps 3 --steps 4 --systems megatrain --timeout 420"
 S3B="--model llama-3.14b --seq-len 4096 --micro-batch 4 --grad-accum 1 --warmup-steps 3 --steps 4 --systems megatrain --timeout 170"
 EST=([quality]=150 [state-3b]=270 [grad-3b]=180 [disk-13b-ga1]=330 [tests]=140 [baselines-16k]=485 [baselines-16k-more]=470 [baselines-4x16k]=360 [baselines-4x16k-more]=460
-     [1.36b]=115 [7b]=165 [soak]=330 [qlora-70b]=450 [probe]=20 [disk-13b]=350 [dp-7b]=300 [longctx]=450 [longctx-more]=400)
-ORDER="quality state-3b grad-3b disk-13b-ga1 tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more 1.36b 7b soak qlora-70b probe disk-13b dp-7b longctx longctx-more"
+     [speed-16k]=480 [speed-16k-plain]=300 [speed-7b]=480 [1.36b]=115 [7b]=165 [soak]=330 [qlora-70b]=450 [probe]=20 [disk-13b]=350 [dp-7b]=300 [longctx]=450 [longctx-more]=400)
+ORDER="quality state-3b grad-3b disk-13b-ga1 tests baselines-16k baselines-16k-more baselines-4x16k baselines-4x16k-more speed-16k speed-16k-plain speed-7b 1.36b 7b soak qlora-70b probe disk-13b dp-7b longctx longctx-more"
 D13="--model llama-13b --seq-len 4096 --micro-batch 1 --grad-accum 16"
 DP7B="--system megatrain --hidden 4096 --intermediate 11008 --layers 32 --heads 32 --seq 4096 --micro-batch 2 --grad-accum 4 --steps 4"
 
@@ -255,7 +270,7 @@ for stage in "${stages[@]}"; do
         rc=$?; [ -z "$DRY" ] && summary "dp-7b gpus=$n rc=$rc $(tail -1 "$R/dp-7b/gpus$n.log" | cut -c1-400)"
         [ -z "$DRY" ] && [ -f "$R/dp-7b/gpus$n.json" ] && cp "$R/dp-7b/gpus$n.json" "$OUT/dp-7b-gpus$n-$C.json"
       done;;
-    baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|1.36b|7b|soak)
+    baselines-16k|baselines-16k-more|baselines-4x16k|baselines-4x16k-more|speed-16k|speed-16k-plain|speed-7b|1.36b|7b|soak)
       bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda";;
     qlora-70b)
       bench_stage "$stage" "${ARGS[$stage]} --dtype bf16 --device cuda" "$CONFIG_QLORA";;

@@ -56,7 +56,32 @@ def run_mode(args) -> None:
                 print(f"{args.mode} step {state.global_step} eval {logs['eval_loss']:.4f} "
                       f"({time.time() - self.started:.0f} s)", flush=True)
 
-    record = Record()
+    class StepChange(TrainerCallback):
+        """The largest change of any parameter element in each optimizer step, in units of that step's
+        learning rate (the update waits to finish first), overall and of the input embedding."""
+
+        def __init__(self):
+            self.rows, self.before, self.lr = [], None, None
+
+        def snapshot(self):
+            return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+        def on_step_begin(self, a, state, control, optimizer=None, **kw):
+            self.lr = float(optimizer.param_groups[0]["lr"])
+            if self.before is None:
+                self.before = self.snapshot()
+
+        def on_step_end(self, a, state, control, optimizer=None, **kw):
+            getattr(optimizer, "optimizer", optimizer).synchronize()
+            now = self.snapshot()
+            change = {n: float((now[n] - self.before[n]).abs().max()) for n in now}
+            worst = max(change, key=change.get)
+            embed = max(v for n, v in change.items() if "embed_tokens" in n)
+            if self.lr > 0:
+                self.rows.append([state.global_step, change[worst] / self.lr, embed / self.lr, worst])
+            self.before = now
+
+    record, step_change = Record(), StepChange()
     targs = TrainingArguments(
         output_dir=os.path.join(args.work, args.mode), max_steps=args.steps, per_device_train_batch_size=args.batch,
         per_device_eval_batch_size=16, learning_rate=args.lr, warmup_steps=args.steps // 10,
@@ -65,13 +90,17 @@ def run_mode(args) -> None:
         dataloader_num_workers=0, disable_tqdm=True,
     )
     plugin = MegaTrainPlugin(optimizer_state=args.mode, host_adamw_kernel="native", metrics="none")
-    trainer = Trainer(model=model, args=targs, train_dataset=train_set, eval_dataset=eval_set, callbacks=[plugin, record])
+    trainer = Trainer(model=model, args=targs, train_dataset=train_set, eval_dataset=eval_set, callbacks=[plugin, record, step_change])
     trainer.train()
     if not record.eval or record.eval[-1][0] != args.steps:
         trainer.evaluate()  # recorded by on_log
     final = record.eval[-1][1]
     out = {"mode": args.mode, "params": n_params, "train": record.train, "eval": record.eval, "final_eval": final,
-           "train_s": time.time() - record.started, "kernel": trainer.optimizer.optimizer.kernel}
+           "train_s": time.time() - record.started, "kernel": trainer.optimizer.optimizer.kernel,
+           # per step: [step, max |change| / lr over all elements, the same over the input embedding, its parameter]
+           "max_change_per_lr": step_change.rows,
+           "max_change_per_lr_overall": max((r[1] for r in step_change.rows), default=None),
+           "max_change_per_lr_embedding": max((r[2] for r in step_change.rows), default=None)}
     with open(os.path.join(args.work, f"{args.mode}.json"), "w") as f:
         json.dump(out, f)
 
@@ -199,7 +228,8 @@ def main() -> None:
     base = results.get("fp32", {}).get("final_eval")
     for m, r in results.items():
         rel = f" ({(r['final_eval'] / base - 1) * 100:+.2f} % vs fp32)" if base else ""
-        print(f"{m}: final eval loss {r['final_eval']:.4f}{rel}, {r['train_s']:.0f} s")
+        print(f"{m}: final eval loss {r['final_eval']:.4f}{rel}, {r['train_s']:.0f} s, largest step change "
+              f"{r.get('max_change_per_lr_overall')} x lr (embedding {r.get('max_change_per_lr_embedding')})")
 
 
 if __name__ == "__main__":

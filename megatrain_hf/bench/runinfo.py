@@ -20,6 +20,7 @@ from typing import Any
 
 import psutil
 
+from .flops import CONVENTIONS as FLOPS_CONVENTIONS
 from .flops import FLOPS_CONVENTION, model_flops_per_token
 from .presets import ModelShape
 from .trend import RULE as TREND_RULE
@@ -128,6 +129,7 @@ DEFINITIONS = {
     "trend": "whether the measured steps still get faster or slower: " + TREND_RULE,
     "tokens_per_s": "tokens_per_step / mean step time (= measured tokens / measured wall time)",
     "tflops": FLOPS_CONVENTION,
+    "tflops_causal": "convention 'palm_causal': " + FLOPS_CONVENTIONS["palm_causal"],
     "gpu_peak": "torch.cuda.max_memory_allocated from the moment the model is built (its random init, on the "
                 "GPU for systems other than DeepSpeed, is then freed and the statistics reset) to the end of "
                 "training; megatrain under max_gpu_memory: its own maxima; also max_memory_reserved, and device "

@@ -76,8 +76,15 @@ from transformers import TrainerCallback
 from ..errors import MegatrainConfigError
 from ..memory import ModelShape
 
+SPEED_VARIANTS = {
+    "megatrain_compile": ("megatrain", {"torch_compile": True}),
+    "plain_compile": ("plain", {"torch_compile": True}),
+    "megatrain_liger": ("megatrain", {"use_liger_kernel": True}),
+    "plain_liger": ("plain", {"use_liger_kernel": True}),
+}
+"""A system with the options a user turns on for speed: (its base system, the TrainingArguments it adds)."""
 SYSTEMS = ("megatrain", "plain", "deepspeed", "deepspeed_zero2", "deepspeed_offloadpp", "deepspeed_zenflow",
-           "fsdp2")
+           "fsdp2", *SPEED_VARIANTS)
 DEEPSPEED_SYSTEMS = frozenset({"deepspeed", "deepspeed_zero2", "deepspeed_offloadpp", "deepspeed_zenflow"})
 ZERO3_SYSTEMS = frozenset({"deepspeed", "deepspeed_offloadpp"})  # the model is built partitioned (zero.Init)
 DISTRIBUTED_SYSTEMS = DEEPSPEED_SYSTEMS | {"fsdp2"}
@@ -98,7 +105,17 @@ SYSTEM_NOTES = {
                           f"rest on the CPU every {ZENFLOW_UPDATE_INTERVAL} steps, overlapped; updates are stale by "
                           "design (asynchronous, deferred), not the same optimizer as the others'"),
     "fsdp2": "FSDP2 fully_shard per decoder layer with CPUOffloadPolicy (pinned), optimizer step on the CPU",
+    "megatrain_compile": "megatrain + TrainingArguments(torch_compile=True): its layer templates compiled (inductor)",
+    "plain_compile": "plain + TrainingArguments(torch_compile=True): the whole model compiled (inductor)",
+    "megatrain_liger": ("megatrain + TrainingArguments(use_liger_kernel=True): Liger's RMSNorm, SwiGLU, rotary in the "
+                        "streamed layers, megatrain's chunked loss for Liger's fused linear cross-entropy"),
+    "plain_liger": "plain + TrainingArguments(use_liger_kernel=True): Liger's kernels and fused linear cross-entropy",
 }
+
+
+def base_system(system: str) -> str:
+    """The system a speed variant is built on (``SPEED_VARIANTS``), else ``system`` itself."""
+    return SPEED_VARIANTS[system][0] if system in SPEED_VARIANTS else system
 
 
 def host_cores() -> int:
@@ -190,8 +207,10 @@ def system_config(system: str, shape: ModelShape) -> dict[str, Any]:
         config["deepspeed"] = deepspeed_config(system, shape)
     elif system == "fsdp2":
         config["fsdp_config"] = fsdp2_config()
-    elif system == "megatrain":
+    elif base_system(system) == "megatrain":
         config["MEGATRAIN_CONFIG"] = os.environ.get("MEGATRAIN_CONFIG") or None
+    if system in SPEED_VARIANTS:
+        config["training_arguments"] = SPEED_VARIANTS[system][1]
     if system in CPU_OPTIMIZER_SYSTEMS:
         config["OMP_NUM_THREADS"] = host_cores()
     return config
@@ -256,6 +275,8 @@ def training_arguments(system: str, *, shape: ModelShape, output_dir: str, micro
         os.environ.setdefault("FSDP_OFFLOAD_PARAMS", "true")
         kwargs["fsdp"] = True
         kwargs["fsdp_config"] = fsdp2_config()
+    if system in SPEED_VARIANTS:
+        kwargs.update(SPEED_VARIANTS[system][1])
     return TrainingArguments(**kwargs)
 
 
@@ -280,8 +301,10 @@ class SystemCheck(TrainerCallback):
         if self.system in DEEPSPEED_SYSTEMS:
             self.facts.update(_check_deepspeed(self.trainer, self.system))
         else:
-            check = {"megatrain": _check_megatrain, "plain": _check_plain, "fsdp2": _check_fsdp2}[self.system]
+            check = {"megatrain": _check_megatrain, "plain": _check_plain, "fsdp2": _check_fsdp2}[base_system(self.system)]
             self.facts.update(check(self.trainer))
+            if self.system in SPEED_VARIANTS:
+                self.facts.update(_check_speed_options(self.trainer, self.system))
 
 
 def _require(ok: bool, what: str, facts: dict[str, Any]) -> None:
@@ -299,6 +322,27 @@ def _check_megatrain(trainer) -> dict[str, Any]:
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     facts.update(config=engine.config.to_dict(), host_staging=engine.store.staging.enabled,
                  chunked_loss=engine.chunked_loss_active, adamw_kernel=getattr(optimizer, "kernel", None))
+    return facts
+
+
+def _check_speed_options(trainer, system: str) -> dict[str, Any]:
+    """The speed options took effect: the compiled regions or model, Liger's modules."""
+    from megatrain_hf import engine_of
+
+    engine = engine_of(trainer.model)
+    facts: dict[str, Any] = {}
+    if trainer.args.torch_compile:
+        if engine is not None:
+            facts["compiled"] = engine.runner.compiler is not None
+        else:
+            facts["compiled"] = hasattr(trainer.model_wrapped, "_orig_mod")
+        _require(facts["compiled"], f"{system}: the layers (megatrain) or the model (plain) compiled", facts)
+    if trainer.args.use_liger_kernel:
+        model = trainer.model
+        mlp = model.model.layers[0].mlp
+        forward = mlp.__dict__.get("forward") or type(mlp).forward
+        facts["mlp_forward"] = getattr(forward, "__qualname__", str(forward))
+        _require("Liger" in facts["mlp_forward"], f"{system}: Liger's SwiGLU in the layers", facts)
     return facts
 
 
@@ -385,7 +429,7 @@ def _call(obj, name: str):
 
 def extra_callbacks(system: str) -> list:
     """Callbacks the system itself needs (the megatrain plugin), besides the bench's timer."""
-    if system != "megatrain":
+    if base_system(system) != "megatrain":
         return []
     from megatrain_hf import MegaTrainConfig, MegaTrainPlugin
 

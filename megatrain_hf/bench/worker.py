@@ -10,6 +10,7 @@ the measurements, or "unavailable" / "failed" with the real error text and no nu
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -22,8 +23,8 @@ from typing import Any
 from ..errors import MegatrainConfigError
 from .flops import model_flops_per_step, model_flops_per_token
 from .presets import ModelShape, add_lora_arguments, add_shape_arguments, shape_from_args
-from .systems import (DEEPSPEED_SYSTEMS, DISTRIBUTED_SYSTEMS, SYSTEMS, ZERO3_SYSTEMS, SystemCheck, check_workload,
-                      extra_callbacks, training_arguments)
+from .systems import (DEEPSPEED_SYSTEMS, DISTRIBUTED_SYSTEMS, SYSTEMS, ZERO3_SYSTEMS, SystemCheck, base_system,
+                      check_workload, extra_callbacks, training_arguments)
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +74,15 @@ def check_available(system: str, device: str, grad_accum: int = 1, base_quantiza
     """Raise :class:`Unavailable` with the reason when ``system`` cannot run this workload here."""
     import torch
 
-    if base_quantization != "none" and system != "megatrain":
+    if base_quantization != "none" and base_system(system) != "megatrain":
         raise Unavailable(f"--base-quantization {base_quantization}: only megatrain stores a quantized base here")
 
     try:
         check_workload(system, grad_accum)
     except ValueError as exc:
         raise Unavailable(str(exc)) from exc
+    if system in ("megatrain_liger", "plain_liger") and importlib.util.find_spec("liger_kernel") is None:
+        raise Unavailable(f"{system}: liger-kernel is not installed (pip install 'megatrain_hf[liger]')")
     if system in DEEPSPEED_SYSTEMS:
         try:
             import deepspeed  # noqa: F401
@@ -116,7 +119,7 @@ def build_lora_model(system: str, shape: ModelShape, seq_len: int, seed: int, ra
 
     import megatrain_hf
 
-    if system == "megatrain":
+    if base_system(system) == "megatrain":
         base = megatrain_hf.from_config(llama_config(shape, seq_len), seed=seed, device=init_device)
     else:
         base = build_model(shape, seq_len, seed, init_device)
@@ -249,6 +252,7 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
     tokens = args.micro_batch * args.seq_len * args.grad_accum
     lora = getattr(args, "lora_rank", None) is not None  # LoRA: the frozen base costs no weight gradients
     flops = model_flops_per_step(shape, args.seq_len, tokens, params if lora else None)
+    flops_causal = model_flops_per_step(shape, args.seq_len, tokens, params if lora else None, "palm_causal")
     mean_s, median_s = summary["step_time_mean_s"], summary["step_time_median_s"]
     gib = 2**30
     cuda = args.device == "cuda"
@@ -262,6 +266,8 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
         "tokens_per_s": tokens / mean_s,
         "tokens_per_s_median_step": tokens / median_s,
         "tflops": flops / mean_s / 1e12,
+        "model_flops_per_step_causal": flops_causal,
+        "tflops_causal": flops_causal / mean_s / 1e12,
         "gpu_peak_allocated_gib": max(torch.cuda.max_memory_allocated(_cuda_index()), engine_peaks[0]) / gib
         if cuda else None,
         "gpu_peak_reserved_gib": max(torch.cuda.max_memory_reserved(_cuda_index()), engine_peaks[1]) / gib
@@ -281,7 +287,7 @@ def measurements(args, shape: ModelShape, params: int, timer, sampler, engine_pe
 
 def link_bytes(system: str, counters: dict[str, float] | None) -> dict[str, Any]:
     """Host<->device bytes per optimizer step: megatrain's engine counts them; others are not instrumented."""
-    if system != "megatrain":
+    if base_system(system) != "megatrain":
         return {"link_bytes_per_step": None,
                 "link_note": f"{system}: host<->device traffic is not instrumented by the benchmark"}
     if not counters or "h2d_bytes" not in counters:

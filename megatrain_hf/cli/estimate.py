@@ -12,7 +12,9 @@ from ..errors import UnsupportedModelError
 from .decisions import as_dict, describe, shape_plan
 from ..models.families import FAMILIES, unsupported_message
 from ..memory import activations
-from ..memory.fit import ModelFit, largest_model, largest_preset, longest_sequence, placement
+from ..errors import LongContextFitError
+from ..memory import long_context
+from ..memory.fit import ModelFit, largest_model, largest_preset
 from ..memory.host import DEFAULT_HEADROOM_BYTES, GiB, available_host_bytes
 from ..memory.host import gib as _gib
 from ..memory.distributed import plan_ranks
@@ -56,8 +58,12 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-interval", type=int, default=1, metavar="K",
                         help="keep every K-th unit's activation checkpoint (checkpoint_interval; default 1)")
     parser.add_argument("--gpu-gib", type=float, default=None,
-                        help="GPU memory to plan against: prints where the checkpoints go at --seq-len and the "
-                             "longest sequence that fits it (with the host RAM)")
+                        help="GPU memory to plan against: prints the joint plan at --seq-len (optimizer state and "
+                             "activation checkpoints placed over GPU, host RAM and --disk-gib / --offload-dir), its "
+                             "GPU and host peaks and the time each tier adds, and the longest sequence that fits; "
+                             "exit code 1 when --seq-len does not fit")
+    parser.add_argument("--tflops", type=float, default=long_context.SUSTAINED_FLOPS / 1e12,
+                        help="sustained TFLOPS the joint plan's step time assumes (default: the paper's 400)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: auto)")
     parser.add_argument("--lora-rank", type=int, default=None, help="plan LoRA of this rank on all linears")
     parser.add_argument("--base-quantization", choices=["none", "int8", "nf4"], default="none",
@@ -147,6 +153,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
             "widest_hidden": fit.widest.hidden if fit.widest else None,
             "disk_tier": disk,
             "training_plan": as_dict(*training),
+            "long_context": (_long_context_fit(shape, args, int(args.gpu_gib * GiB), available, disk_free)[2]
+                             if args.gpu_gib is not None and args.lora_rank is None else None),
         }, indent=2))
         return 0
     print(_table(plan))
@@ -167,8 +175,12 @@ def estimate_main(argv: list[str] | None = None) -> int:
         print(f"GPU 0: {_gib(gpu_available)} GiB; estimate {_gib(plan.gpu_total)} GiB -> {gpu_fits}")
     else:
         print(f"GPU: none visible here; the estimate above is {_gib(plan.gpu_total)} GiB")
-    if args.gpu_gib is not None:
-        print(_long_context_fit(shape, args, int(args.gpu_gib * GiB), available))
+    long_fits = True
+    if args.gpu_gib is not None and args.lora_rank is None:
+        text, long_fits, _ = _long_context_fit(shape, args, int(args.gpu_gib * GiB), available, disk_free)
+        print()
+        print(text)
+        print()
     mode = f"LoRA r={args.lora_rank}, " if args.lora_rank is not None else ""
     if args.base_quantization != "none":
         mode += f"{args.base_quantization} base, "
@@ -180,7 +192,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
     if not fits:
         lora_hint = "" if args.lora_rank is not None else ", --lora-rank (LoRA)"
         print(f"to fit: fewer layers / a smaller model{lora_hint}, or more RAM")
-    return 0
+    return 0 if long_fits else 1
 
 
 def _disk_free(args) -> tuple[int | None, str]:
@@ -295,23 +307,23 @@ def activation_lines(plan: MemoryPlan) -> str:
     return "\n".join(lines)
 
 
-def _long_context_fit(shape: ModelShape, args, gpu_bytes: int, host_bytes: int) -> str:
-    options = dict(micro_batch=args.micro_batch, grad_accum=args.grad_accum, compute_dtype=args.dtype,
-                   layer_major=args.layer_major, chunked_loss=args.chunked_loss, host_staging=args.host_staging,
-                   loss_chunk_tokens=args.loss_chunk_tokens, lora_rank=args.lora_rank,
-                   sequence_tile_tokens=args.sequence_tile_tokens)
-    where = placement(shape, args.seq_len, gpu_bytes, host_bytes, **options)
-    budget = f"a {_gib(gpu_bytes)} GiB GPU and {_gib(host_bytes)} GiB host RAM"
-    lines = [f"at seq {args.seq_len} on {budget}: " + (_placed(where) if where else "nothing fits")]
-    seq, best = longest_sequence(shape, gpu_bytes, host_bytes, **options)
-    lines.append(f"longest sequence that fits {budget}: {seq} tokens" + (f" ({_placed(best)})" if best else ""))
-    return "\n".join(lines)
-
-
-def _placed(plan: MemoryPlan) -> str:
-    where = "offloaded to host" if plan.host_checkpoints else "on the GPU"
-    return (f"checkpoints {where}, checkpoint_interval={plan.checkpoint_interval}; GPU {_gib(plan.gpu_total)} GiB, "
-            f"host {_gib(plan.host_total)} GiB")
+def _long_context_fit(shape: ModelShape, args, gpu_bytes: int, host_bytes: int, disk_bytes: int | None) -> tuple[str, bool, dict]:
+    """The joint plan at ``--seq-len`` (``memory/long_context.py``) and the longest length that fits: (text,
+    whether it fits, JSON)."""
+    options = dict(micro_batch=args.micro_batch, grad_accum=args.grad_accum, layer_major=args.layer_major,
+                   compute_dtype=args.dtype, chunked_loss=args.chunked_loss, loss_chunk_tokens=args.loss_chunk_tokens,
+                   lora_rank=args.lora_rank, flops=args.tflops * 1e12)
+    budget = f"a {_gib(gpu_bytes)} GiB GPU and {_gib(host_bytes)} GiB host RAM" + (
+        f" and {_gib(disk_bytes)} GiB of disk" if disk_bytes is not None else "")
+    seq, best = long_context.longest(shape, gpu_bytes, host_bytes, disk_bytes, **options)
+    longest_line = f"longest sequence that fits {budget}: {seq} tokens" + (f" ({best.placement()})" if best else "")
+    try:
+        plan = long_context.plan_long_context(shape, args.seq_len, gpu_bytes, host_bytes, disk_bytes, **options)
+    except LongContextFitError as exc:
+        return f"at seq {args.seq_len} on {budget}: does NOT fit\n{exc}\n{longest_line}", False, {
+            "fits": False, "refusal": str(exc), "longest": seq, "longest_plan": best.to_dict() if best else None}
+    text = "\n".join(plan.lines() + [f"at seq {args.seq_len} on {budget}: fits ({plan.placement()})", longest_line])
+    return text, True, {"fits": True, "plan": plan.to_dict(), "longest": seq}
 
 
 def _table(plan: MemoryPlan) -> str:

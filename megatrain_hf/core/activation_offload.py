@@ -7,7 +7,8 @@ call ``c`` runs its backward, the checkpoint of the call before it in the same m
 next one autograd needs from that micro-batch) starts its upload. GPU memory then no longer grows
 with depth or with the micro-batches in flight; host RAM pays for the checkpoints instead.
 
-The copies are exact (same dtype both ways). One stream carries both directions, so a host
+The copies are exact (same dtype both ways); with ``checkpoint_dtype="bf16"`` the input is rounded
+to bf16 on the compute stream first and comes back widened to its dtype (half the bytes, not exact). One stream carries both directions, so a host
 buffer handed back to the pool (when its checkpoint object goes, after the backward) is never
 overwritten by a later download before the upload from it has run. Buffers are reused across
 steps, best fit by size, so that batches padded to different lengths share them; the pool grows
@@ -42,20 +43,39 @@ def _size(nbytes: int) -> str:
 class Checkpoint:
     """One call's saved input while it lives on the host."""
 
-    __slots__ = ("host", "shape", "dtype", "requires_grad", "prev", "device_copy", "__weakref__")
+    __slots__ = ("host", "shape", "dtype", "requires_grad", "prev", "owner", "device_copy", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, x: torch.Tensor, prev: "Checkpoint | None") -> None:
-        self.host: torch.Tensor | None = host
+    def __init__(self, host: torch.Tensor, x: torch.Tensor, prev: "Checkpoint | None", owner=None) -> None:
+        self.host: torch.Tensor | None = host  # in x's dtype, or in checkpoint_dtype (bf16: rounded)
         self.shape, self.dtype, self.requires_grad = x.shape, x.dtype, x.requires_grad
-        self.prev = prev  # the checkpoint saved before this one in the same micro-batch
+        self.prev = prev  # the checkpoint saved before this one in the same micro-batch (any home)
+        self.owner = owner  # the pool that holds it: ``owner.prefetch(ckpt)`` starts bringing it back
         self.device_copy: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+
+def stored_form(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """What a home keeps of the input ``x``: ``x`` itself, or rounded to ``dtype`` (``checkpoint_dtype``;
+    floating inputs of a wider dtype only)."""
+    x = x.detach()
+    if dtype is None or not x.is_floating_point() or x.dtype.itemsize <= dtype.itemsize:
+        return x
+    return x.to(dtype)
+
+
+def restored(x: torch.Tensor, ckpt) -> torch.Tensor:
+    """A checkpoint back in its input's dtype, with its ``requires_grad``."""
+    if x.dtype != ckpt.dtype:
+        x = x.to(ckpt.dtype)
+    return x.requires_grad_(ckpt.requires_grad) if x.is_floating_point() else x
 
 
 class CheckpointOffload:
     """A pool of pinned host buffers and the stream that moves checkpoints through them."""
 
     def __init__(self, allocate: Callable[[int, torch.dtype], torch.Tensor], free: Callable[[torch.Tensor], None],
-                 available_bytes: Callable[[], int], headroom_bytes: int, stats, streams=None) -> None:
+                 available_bytes: Callable[[], int], headroom_bytes: int, stats, streams=None,
+                 dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype  # checkpoint_dtype (None: each input's own)
         self.stats = stats  # the engine's: checkpoint bytes count as link traffic
         self.streams = streams  # CudaStreams / EmulatedStreams, or None: copies on the CPU, in place
         self.stream = streams.new_stream() if streams is not None else None
@@ -116,24 +136,25 @@ class CheckpointOffload:
     # ------------------------------------------------------------------ checkpoints
     def save(self, x: torch.Tensor, prev: Checkpoint | None) -> Checkpoint:
         """Start copying ``x`` to a pooled host buffer; ``x`` may be freed right after."""
-        buffer = self._take(x.numel(), x.dtype)
+        stored = stored_form(x, self.dtype)
+        buffer = self._take(stored.numel(), stored.dtype)
         host = buffer[: x.numel()]
         streams = self.streams
         if streams is not None:
             self._retire(force=max(0, len(self._pending) + 1 - MAX_PENDING))
             self.stream.wait_stream(streams.current())  # x is written on the compute stream
             with streams.on(self.stream):
-                host.copy_(x.detach().reshape(-1), non_blocking=True)
+                host.copy_(stored.reshape(-1), non_blocking=True)
                 copied = streams.record(self.stream)
-            streams.keep_alive(x, self.stream)  # the allocator must not reuse x before the copy read it
+            streams.keep_alive(stored, self.stream)  # the allocator must not reuse x before the copy read it
             self._pending.append((copied, x, x._version))
         else:
-            host.copy_(x.detach().reshape(-1))
+            host.copy_(stored.reshape(-1))
         nbytes = host.numel() * host.element_size()
         self.stats.d2h_bytes += nbytes
         self.in_use_bytes += nbytes
         self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
-        ckpt = Checkpoint(host, x, prev)
+        ckpt = Checkpoint(host, x, prev, self)
         # a checkpoint dropped without a backward (a failed step, a graph freed unused) still
         # returns its buffer: a later download on the same stream waits for the pending one
         weakref.finalize(ckpt, self._give_back, buffer, nbytes)
@@ -146,7 +167,7 @@ class CheckpointOffload:
         streams = self.streams
         if streams is not None:
             with streams.on(self.stream):
-                dev = streams.empty(ckpt.shape, ckpt.dtype)
+                dev = streams.empty(ckpt.shape, ckpt.host.dtype)
                 dev.view(-1).copy_(ckpt.host, non_blocking=True)
                 ready = streams.record(self.stream)
             ckpt.device_copy = (dev, ready)
@@ -172,4 +193,4 @@ class CheckpointOffload:
             self.streams.keep_alive(dev, compute)  # allocated on the offload stream, used and freed on compute
         ckpt.device_copy = None
         ckpt.host = None  # the finalizer returns the buffer once the checkpoint object goes
-        return dev.requires_grad_(ckpt.requires_grad) if dev.is_floating_point() else dev
+        return restored(dev, ckpt)

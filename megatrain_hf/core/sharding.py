@@ -15,6 +15,15 @@ calls line up: the order of fetches and gradient sends is the model's own order 
 groups keep two threads apart: ``weights`` (fetches: the training thread) and ``grads`` (the
 gradient worker on CUDA, the training thread on the CPU). A collective that waits longer than
 ``timeout`` raises on every rank (gloo's timeout), naming the unit.
+
+A model call on some ranks only (``if trainer.is_world_process_zero(): model.generate(...)``) would wait
+in its first weight broadcast for ranks that never come, then blame them. So every top-level model
+call first agrees with the other ranks on it (:meth:`UnitSharding.agree_on_call`, through the process
+group's key-value store, which a timeout leaves usable): the ranks publish the n-th call's kind and
+wait for each other's. A call whose kind differs on another rank (a forward without gradients here, a
+training forward there) raises at once on both; a call no other rank makes raises after
+``LONE_CALL_WAIT_S`` (calls without gradients; training forwards wait ``timeout``), with the cause and
+the fix (:class:`LoneRankCallError`).
 """
 
 from __future__ import annotations
@@ -25,16 +34,21 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ..errors import CollectiveError
+from ..errors import CollectiveError, LoneRankCallError
 from . import host_pages
 
 logger = logging.getLogger(__name__)
 
 PIECE_NUMEL = 2 * 2**20  # elements of one gradient reduce on the host path (8 MiB of fp32)
+LONE_CALL_WAIT_S = 30.0
+"""Seconds a model call without gradients (generate, evaluation) waits for the other ranks to make it
+too (at most ``collective_timeout_s``); then it is a call on this rank alone and raises."""
 
 
 class UnitSharding:
     """Owner map and per-unit collectives of one data-parallel process group."""
+
+    _made = 0  # UnitSharding objects made in this process: the same sequence on every rank
 
     def __init__(self, num_units: int, timeout_s: float = 300.0, rank: int | None = None,
                  world_size: int | None = None) -> None:
@@ -51,6 +65,8 @@ class UnitSharding:
         self.grads = dist.new_group(backend="gloo", timeout=timeout)
         self.scalars = dist.new_group(backend="gloo", timeout=timeout)
         self._needs_mean = False
+        UnitSharding._made += 1
+        self._index, self._timeout_s, self._calls, self._call_store = UnitSharding._made, timeout_s, 0, None
         logger.info("megatrain: data parallel over %d ranks (rank %d owns units %s)", self.world_size, self.rank,
                     self.owned_units())
 
@@ -71,6 +87,50 @@ class UnitSharding:
                 f"megatrain rank {self.rank}/{self.world_size}: the {what} of unit {u} failed ({exc}). Another "
                 "rank stopped or raised (its error is in its own output); every rank stops."
             ) from exc
+
+    # ------------------------------------------------------------------ model calls
+    def agree_on_call(self, kind: str, training: bool) -> None:
+        """Wait until every rank makes its next model call too, of the same ``kind`` (see the module
+        docstring); raise :class:`LoneRankCallError` otherwise."""
+        if self._call_store is None:
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            self._call_store = dist.PrefixStore(f"megatrain/calls/{self._index}/", _get_default_store())
+        store, n = self._call_store, self._calls
+        keys = [f"{n}/{r}" for r in range(self.world_size)]
+        store.set(keys[self.rank], kind)
+        wait_s = self._timeout_s if training else min(LONE_CALL_WAIT_S, self._timeout_s)
+        try:
+            store.wait(keys, datetime.timedelta(seconds=wait_s))
+        except Exception as exc:  # the store's timeout (DistStoreError): a call made here only
+            absent = [r for r, key in enumerate(keys) if not store.check([key])]
+            if not absent:
+                raise  # not a timeout
+            store.delete_key(keys[self.rank])  # not made: the next call is the n-th again
+            raise LoneRankCallError(
+                f"megatrain rank {self.rank}/{self.world_size}: {kind} was made on this rank, and rank(s) {absent} "
+                f"did not make a model call within {wait_s:g} s. Under data parallelism each rank holds only the "
+                "units it owns and receives the others' weights from their owners in every forward, so every "
+                "model call (forward, generate, evaluation) is collective; a call on one rank alone (`if "
+                "trainer.is_world_process_zero(): model.generate(...)`) cannot run. Fix: make the call on every "
+                "rank and use rank 0's result; or gather the weights first (megatrain_hf.gather_state_dict(model) "
+                "on every rank, or trainer.save_model()) and generate on rank 0 from a plain model loaded with "
+                "them; if the other ranks were only busy longer (writing a checkpoint), call "
+                "torch.distributed.barrier() before the call."
+            ) from exc
+        kinds = {r: store.get(key).decode() for r, key in enumerate(keys)}
+        if n:
+            store.delete_key(f"{n - 1}/{self.rank}")  # every rank has read call n-1's kinds (it made call n)
+        self._calls += 1
+        if len(set(kinds.values())) > 1:
+            raise LoneRankCallError(
+                f"megatrain rank {self.rank}/{self.world_size}: model call {n} differs between the ranks ("
+                + "; ".join(f"rank {r}: {k}" for r, k in kinds.items()) + "). Under data parallelism every model "
+                "call is collective: each rank must make the same calls in the same order. Fix: make the call "
+                "on every rank (e.g. generate on every rank and use rank 0's result), or gather the weights "
+                "first (megatrain_hf.gather_state_dict(model) on every rank, or trainer.save_model()) and "
+                "generate on rank 0 from a plain model loaded with them."
+            )
 
     # ------------------------------------------------------------------ weights
     def broadcast_master(self, u: int, flat: torch.Tensor) -> None:

@@ -138,6 +138,16 @@ class Mirror:
     root_forward: object = None
     """The real root's own instance ``forward`` at attach, rebound (the engine replaces the real one)."""
     names: list[str] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    """Per pair, how many attributes the real sub-module had when its names were sorted (a change: sorted again)."""
+    ignored: list[frozenset] = field(default_factory=list)
+    """Per pair, the attributes the engine itself set on the real sub-module after attach (never mirrored)."""
+
+    def seal(self) -> None:
+        """The engine has patched the real modules: what it added is its own, not the model's (ignored)."""
+        for i, (_, real, keys) in enumerate(self.pairs):
+            self.ignored[i] = frozenset(vars(real)) - set(keys) - set(self.checked[i]) - _MODULE_INTERNALS
+            self.counts[i] = len(vars(real))
 
     def value(self, i: int, key: str, real: object) -> object:
         """What the template mirrors for ``real`` = the real sub-module ``i``'s ``key`` (resolved once per value)."""
@@ -154,8 +164,8 @@ class HookRecord:
     """A training call's record of its sub-modules' forward hooks (see module docstring)."""
 
     modifying: set[tuple[int, int]] = field(default_factory=set)
-    """The (pre-)hooks that changed a value in the forward, by (submodule index, hook id): the ones
-    the recompute runs again."""
+    """The (pre-)hooks that changed a value or drew random numbers in the forward, by (submodule index,
+    hook id): the ones the recompute runs again."""
     seen: list[torch.Tensor] = field(default_factory=list)
     """The floating-point tensors the forward hooks received as outputs during the current compute,
     each once, in order (the runner takes and clears it after each compute)."""
@@ -178,12 +188,23 @@ def _tensors_of(value) -> list[torch.Tensor]:
     return []
 
 
+def _rng_states() -> list[torch.Tensor]:
+    """The default generators' states (CPU, and the current CUDA device once CUDA is in use)."""
+    states = [torch.default_generator.get_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append(torch.cuda.get_rng_state())
+    return states
+
+
 def _recording(hook, key: tuple[int, int], record: HookRecord, forward_hook: bool):
     def run(*args, **kwargs):
         if forward_hook:  # the output is the hook's last positional argument
             record.see(args[-1])
+        before = _rng_states()
         result = hook(*args, **kwargs)
-        if result is not None:
+        # a hook that changed a value, or drew random numbers (the ops after it in the recompute, which
+        # starts from the forward's RNG state, must draw what they drew in the forward), runs again there
+        if result is not None or any(not torch.equal(a, b) for a, b in zip(before, _rng_states())):
             record.modifying.add(key)
         return result
 
@@ -199,6 +220,30 @@ def _seeing(hook, record: HookRecord):
         return hook(*args, **kwargs) if hook is not None else None
 
     return run
+
+
+def _classify(mirror: Mirror, i: int) -> tuple[str, ...]:
+    """Sort the real sub-module ``i``'s attributes into plain ones and those mirrored through ``resolve``
+    (resolved now: refused here rather than at a step); returns the plain ones."""
+    t_mod, r_mod, old = mirror.pairs[i]
+    old = {*old, *mirror.checked[i]}
+    r_vars = vars(r_mod)
+    keys, checked = [], []
+    for k, v in r_vars.items():
+        if k in _MODULE_INTERNALS or k in mirror.ignored[i]:
+            continue
+        (checked if callable(v) or isinstance(v, (list, tuple, dict, set, frozenset, torch.Tensor))
+         else keys).append(k)
+    for k in checked:
+        mirror.value(i, k, r_vars[k])
+    if i and "forward" in r_vars:
+        mirror.value(i, "forward", r_vars["forward"])
+    for k in old - set(keys) - set(checked):
+        t_mod.__dict__.pop(k, None)  # removed from the real module since: not mirrored any more
+    mirror.pairs[i] = (t_mod, r_mod, tuple(keys))
+    mirror.checked[i] = tuple(checked)
+    mirror.counts[i] = len(r_vars)
+    return tuple(keys)
 
 
 class Template:
@@ -228,39 +273,40 @@ class Template:
                         frozenset(streamed) | {id(p) for p in real.parameters()}, name)
         mirror = Mirror([], refs=refs, names=[f"{name}.{n}" if n else name for n, _ in named])
         for i, (t_mod, (_, r_mod)) in enumerate(zip(self._template_modules, named)):
-            keys, checked = [], []
-            for k, v in vars(r_mod).items():
-                if k in _MODULE_INTERNALS:
-                    continue
-                (checked if callable(v) or isinstance(v, (list, tuple, dict, set, frozenset, torch.Tensor))
-                 else keys).append(k)
-            for k in checked:
-                mirror.value(i, k, vars(r_mod)[k])  # refused here, at attach, rather than at the first step
-            if i and "forward" in vars(r_mod):
-                mirror.value(i, "forward", vars(r_mod)["forward"])
-            mirror.pairs.append((t_mod, r_mod, tuple(keys)))
-            mirror.checked.append(tuple(checked))
+            mirror.pairs.append((t_mod, r_mod, ()))
+            mirror.checked.append(())
+            mirror.counts.append(-1)
+            mirror.ignored.append(frozenset())
+            _classify(mirror, i)
         own = vars(real).get("forward")
         if own is not None:  # before the engine replaces it: the unit's own instance forward
             mirror.root_forward = resolve(own, "forward", name, refs)
         return mirror
 
     def bind(self, tensors: dict[str, torch.Tensor], mirror: Mirror, hooks: HookRecord | None = None,
-             recompute: bool = False) -> nn.Module:
+             recompute: bool = False, without_hooks: bool = False) -> nn.Module:
         """Point every slot at ``tensors[name]`` and mirror the real unit's state; returns the module.
 
         ``hooks``: the call's record of modifying hooks (see module docstring); ``recompute``:
-        binding for the backward's recompute (with grad).
+        binding for the backward's recompute (with grad); ``without_hooks``: the sub-modules get no
+        hooks (a compiled call whose hooks are all inactive, ``runtime/compiled.py``).
         """
         for i, (t_mod, r_mod, keys) in enumerate(mirror.pairs):
             r_vars = r_mod.__dict__
             t_vars = t_mod.__dict__
+            if len(r_vars) != mirror.counts[i]:  # attributes set or removed since attach (instance patching)
+                keys = _classify(mirror, i)
             for k in keys:
                 t_vars[k] = r_vars[k]
             for k in mirror.checked[i]:
                 t_vars[k] = mirror.value(i, k, r_vars[k])
             if i:  # sub-modules: their hooks (the root's ran in the real unit's __call__), their own forward
-                self._mirror_hooks(i, t_vars, r_vars, hooks, recompute)
+                if without_hooks:
+                    if any(t_vars.get(name) for name in _HOOK_DICTS):
+                        for name in _HOOK_DICTS:
+                            t_vars[name] = OrderedDict()
+                else:
+                    self._mirror_hooks(i, t_vars, r_vars, hooks, recompute)
                 forward = r_vars.get("forward")
                 if forward is not None:
                     t_vars["forward"] = mirror.value(i, "forward", forward)

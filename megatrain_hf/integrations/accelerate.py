@@ -16,10 +16,11 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, DynamoBackend
 from torch import nn
 
 from ..config import MegaTrainConfig
@@ -36,6 +37,12 @@ class MegaTrainAccelerator(Accelerator):
             fsdp=self.distributed_type.value if self.distributed_type == DistributedType.FSDP else None,
         )
         self.megatrain_config = megatrain_config or MegaTrainConfig()
+        dynamo = self.state.dynamo_plugin
+        if dynamo.backend != DynamoBackend.NO and not self.megatrain_config.compile:
+            # dynamo_backend=...: the engine compiles its layer templates (runtime/compiled.py), not the whole model
+            mode = dynamo.mode if dynamo.mode != "default" else None
+            self.megatrain_config = replace(self.megatrain_config, compile=True,
+                                            compile_backend=dynamo.backend.value.lower(), compile_mode=mode)
         self.engines: list[Engine] = []
 
     def prepare(self, *args: Any, device_placement=None):
@@ -44,6 +51,17 @@ class MegaTrainAccelerator(Accelerator):
                 engine = attach(obj, self.megatrain_config, device=self.device, bf16=self.mixed_precision == "bf16")
                 self.engines.append(engine)
         return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode: bool = False):
+        """Accelerate's, except that an attached model is not compiled whole (its layers are, by the engine)."""
+        dynamo = self.state.dynamo_plugin
+        if engine_of(model) is None or dynamo.backend == DynamoBackend.NO:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        saved, dynamo.backend = dynamo.backend, DynamoBackend.NO
+        try:
+            return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        finally:
+            dynamo.backend = saved
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         """Accelerate's ``clip_grad_norm_``; over exactly an attached model's trainable parameters, the

@@ -6,8 +6,11 @@ Per token of a micro-batch, with ``h`` the hidden width, ``i`` the MLP's interme
 * a decoder layer's recompute with grad keeps q/k/v, the attention output and the residual
   stream's tensors (``c * (2h + 2q + 2kv) + 4 * 6h``, as ``plan.py`` always counted) plus the
   MLP's ``tokens x i`` intermediates (gate, up, activation, product: ``4 c i``);
-* sequence-tiled (``sequence_tile_tokens``), the MLP's intermediates exist for one tile:
-  ``tile * MLP_TILE_FACTOR * c * i`` (forward and backward of the tile), instead of ``tokens x``;
+* sequence-tiled (``sequence_tile_tokens``), every per-token operation of the layer runs over
+  tiles (``runtime/tiling.py``, families with a layer recipe): what stays full-length is q, k, v,
+  the attention output (and its contiguous copy), their gradients, the flash kernel's fp32 ``dq``
+  accumulator and the fp32 output, its gradient and the input's gradient
+  (``c * (5q + 4kv) + 4q + 3 * 4h``); one tile holds the rest (``tile * TILE_PER_TOKEN``);
 * activation checkpoints: one fp32 ``tokens x h`` per unit that keeps one (every decoder layer,
   the final norm's and the head's inputs), or with ``checkpoint_interval=k`` every k-th layer's
   plus the inputs of the k-1 layers of the block being back-propagated (recomputed and held).
@@ -85,14 +88,24 @@ def tiles(tokens: int, tile: int | None) -> int:
     return 1 if tile is None else math.ceil(tokens / tile)
 
 
+def tile_bytes(tile: int, hidden: int, q_dim: int, kv_dim: int, intermediate: int, compute_bytes: int) -> int:
+    """One tile of a tiled layer, recomputed and back-propagated: the MLP's intermediates and the
+    norms', projections' and rotary embedding's per-token tensors (fp32 norm internals)."""
+    c = compute_bytes
+    return mlp_tile_bytes(tile, intermediate, c) + tile * (c * (2 * hidden + 3 * q_dim + 3 * kv_dim) + 4 * 6 * hidden)
+
+
 def layer_working_set(tokens: int, hidden: int, q_dim: int, kv_dim: int, intermediate: int, compute_bytes: int,
                       tile: int | None = None) -> int:
-    """Recomputing one decoder layer with grad (module docstring): the attention part for every token,
-    the MLP's intermediates for every token, or for one tile of ``tile`` tokens."""
-    attention = tokens * (compute_bytes * (2 * hidden + 2 * q_dim + 2 * kv_dim) + 4 * 6 * hidden)
+    """Recomputing one decoder layer with grad (module docstring): untiled, the attention part and the
+    MLP's intermediates for every token; tiled, the full-length tensors around the attention kernel
+    and one tile of ``tile`` tokens."""
+    c = compute_bytes
     if tile is None or tile >= tokens:
-        return attention + tokens * 4 * compute_bytes * intermediate
-    return attention + mlp_tile_bytes(tile, intermediate, compute_bytes)
+        attention = tokens * (c * (2 * hidden + 2 * q_dim + 2 * kv_dim) + 4 * 6 * hidden)
+        return attention + tokens * 4 * c * intermediate
+    full = tokens * (c * (5 * q_dim + 4 * kv_dim) + 4 * q_dim + 3 * 4 * hidden)
+    return full + tile_bytes(tile, hidden, q_dim, kv_dim, intermediate, c)
 
 
 def kept_checkpoints(layers: int, interval: int = 1) -> int:
@@ -111,3 +124,22 @@ def checkpoint_bytes(tokens: int, hidden: int, layers: int, interval: int = 1) -
 def recomputed_inputs_bytes(tokens: int, hidden: int, interval: int = 1) -> int:
     """With ``checkpoint_interval=k``: the k-1 inputs of a block held on the device for its backward."""
     return max(0, interval - 1) * tokens * hidden * 4
+
+
+def long_context_working_set(tokens: int, hidden: int, q_dim: int, kv_dim: int, intermediate: int,
+                             compute_bytes: int, tile: int) -> int:
+    """GPU bytes of one decoder layer's backward (recompute included) with every per-token operation
+    tiled (issue 34 item 1: norms, q/k/v with rotary, o with the residual add, the MLP), the one
+    activation model of the joint long-context plan (``memory/long_context.py``).
+
+    Full-length tensors left, per token: the layer's input as loaded from its checkpoint and the
+    gradient flowing in, fp32 (``4 h`` each; the gradient flowing out is summed into the incoming one
+    tile by tile); q, k, v and the attention output in the compute dtype (``c (2 q + 2 kv)``); their
+    gradients (``c (2 q + 2 kv)``); the attention kernel's fp32 dq accumulator (``4 q``, FlashAttention's
+    backward). Plus one tile of ``tile`` tokens of everything per-token: the MLP's intermediates
+    (:func:`mlp_tile_bytes`) and the residual stream's fp32 tensors (``4 x 6 h``). 7 B (MHA) at 512K:
+    56 GiB; Llama-3-8B (GQA, 8 KV heads): 44 GiB. The tiling work owns this function: when it
+    measures its working set, this is the number to change."""
+    full = tokens * (4 * 2 * hidden + 2 * compute_bytes * (2 * q_dim + 2 * kv_dim) + 4 * q_dim)
+    tile = min(tile, tokens)
+    return full + mlp_tile_bytes(tile, intermediate, compute_bytes) + tile * 4 * 6 * hidden

@@ -18,7 +18,7 @@ from ..core.disk_io import ALIGN, align_up, check_offload_dir, remove_stale_run_
 from ..core.layout import UnitSizes
 from .host_tiers import moment_bytes, moment_parts
 from . import host as host_memory
-from .host import GiB, gib
+from .host import GiB, human_bytes
 
 
 DEFAULT_WINDOW = 4
@@ -75,12 +75,12 @@ def check_disk(offload_dir: str, needed: int, free: int | None = None) -> None:
     if needed + DISK_HEADROOM_BYTES <= free:
         return
     raise DiskSpaceError(
-        f"megatrain's disk tier needs {gib(needed)} GiB in offload_dir={offload_dir!r} (+ {gib(DISK_HEADROOM_BYTES)} "
-        f"GiB headroom) but its filesystem has {gib(free)} GiB free:\n"
-        f"  optimizer state (AdamW moments, fp32 masters) {gib(needed):>8} GiB\n"
-        f"  + headroom                                   {gib(DISK_HEADROOM_BYTES):>9} GiB\n"
-        f"  free on {path}   {gib(free):>9} GiB\n"
-        f"  short by                                     {gib(needed + DISK_HEADROOM_BYTES - free):>9} GiB\n"
+        f"megatrain's disk tier needs {human_bytes(needed)} in offload_dir={offload_dir!r} (+ "
+        f"{human_bytes(DISK_HEADROOM_BYTES)} headroom) but its filesystem has {human_bytes(free)} free:\n"
+        f"  optimizer state (AdamW moments, fp32 masters) {human_bytes(needed):>12}\n"
+        f"  + headroom                                   {human_bytes(DISK_HEADROOM_BYTES):>12}\n"
+        f"  free on {path}   {human_bytes(free):>12}\n"
+        f"  short by                                     {human_bytes(needed + DISK_HEADROOM_BYTES - free):>12}\n"
         "Fix: free space there, point offload_dir at a larger disk, or train a smaller model "
         "(`megatrain estimate --offload-dir DIR` prints the largest that fits RAM + disk)."
     )

@@ -43,6 +43,15 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f}"
 
 
+def human_bytes(n: float) -> str:
+    """``n`` bytes in the largest unit that keeps the number at least 1 (GiB, MiB, KiB, else B), unit
+    included: a small model's plan reads "3.52 MiB", not "0.00 GiB"."""
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 def available_host_bytes() -> int:
     """Host RAM available to a new allocation now (``psutil.virtual_memory().available``)."""
     return int(psutil.virtual_memory().available)
@@ -130,20 +139,20 @@ def check_host_memory(
         )
         return spare
     width = max([len(TIER_LABELS.get(k, k)) for k in breakdown] + [28])
-    rows = [f"  {TIER_LABELS.get(k, k):<{width}} {gib(v):>9} GiB" for k, v in breakdown.items()]
+    rows = [f"  {TIER_LABELS.get(k, k):<{width}} {human_bytes(v):>12}" for k, v in breakdown.items()]
     listed = sum(breakdown.values())
     if listed != needed_bytes:
-        rows.append(f"  {'other':<{width}} {gib(needed_bytes - listed):>9} GiB")
+        rows.append(f"  {'other':<{width}} {human_bytes(needed_bytes - listed):>12}")
     rows += [
-        f"  {'= needed':<{width}} {gib(needed_bytes):>9} GiB",
-        f"  {'+ headroom (process, data, OS)':<{width}} {gib(headroom_bytes):>9} GiB",
-        f"  {'= required':<{width}} {gib(needed_bytes + headroom_bytes):>9} GiB",
-        f"  {'available now':<{width}} {gib(available):>9} GiB",
-        f"  {'short by':<{width}} {gib(-spare):>9} GiB",
+        f"  {'= needed':<{width}} {human_bytes(needed_bytes):>12}",
+        f"  {'+ headroom (process, data, OS)':<{width}} {human_bytes(headroom_bytes):>12}",
+        f"  {'= required':<{width}} {human_bytes(needed_bytes + headroom_bytes):>12}",
+        f"  {'available now':<{width}} {human_bytes(available):>12}",
+        f"  {'short by':<{width}} {human_bytes(-spare):>12}",
     ]
     message = (
-        f"megatrain needs {gib(needed_bytes)} GiB of host RAM (+ {gib(headroom_bytes)} GiB headroom) but only "
-        f"{gib(available)} GiB is available:\n" + "\n".join(rows) + "\n"
+        f"megatrain needs {human_bytes(needed_bytes)} of host RAM (+ {human_bytes(headroom_bytes)} headroom) but "
+        f"only {human_bytes(available)} is available:\n" + "\n".join(rows) + "\n"
         "Fix: train a smaller model (fewer layers or a smaller preset; `megatrain estimate` prints the "
         "largest that fits), use LoRA/PEFT (frozen base weights cost 2 B/param in bf16 instead of ~18 B), "
         "free RAM held by other processes, or use a machine with more RAM. If this machine grants more "

@@ -83,7 +83,7 @@ class MemoryOptions:
     Clipping is always applied inside the update then (a callback sees the gradients unclipped: a
     clipped bf16 gradient would be rounded)."""
 
-    offload_checkpoints: bool | Literal["auto"] = "auto"
+    offload_checkpoints: bool | Literal["auto", "disk"] = "auto"
     """Keep each layer's activation checkpoint (its fp32 input, `tokens x hidden x 4` bytes) in
     pinned host memory between forward and backward instead of on the GPU: copied down while the
     next layer computes, brought back ahead of its backward. GPU memory then stays flat with depth
@@ -91,7 +91,19 @@ class MemoryOptions:
     tokens x hidden x 4` bytes more, and the link carries them twice. Exact (same bytes back).
     `"auto"`: off, unless `max_gpu_memory`'s plan fits fewer micro-batches per group than the
     step has and the host RAM can take the checkpoints of two; then on (logged), and the budget
-    measures again."""
+    measures again. `"disk"` (needs `offload_dir`): each checkpoint goes to a file there instead
+    (written behind on a thread from a host staging buffer, read back one unit ahead of its
+    backward; host RAM: three checkpoints' staging buffers whatever the depth). With `offload_dir`
+    set, a checkpoint the host RAM cannot take (`True`, or `"auto"` once on) spills to that file
+    instead of failing. Which home a length needs is `megatrain estimate`'s placement
+    ([long context](long-context.md))."""
+
+    checkpoint_dtype: Literal["fp32", "bf16"] = "fp32"
+    """dtype the activation checkpoints are kept in, in any home (GPU, host, disk). `"fp32"`: each
+    unit's input as computed (the residual stream of mixed-precision training is fp32): exact.
+    `"bf16"` (opt-in): floating inputs rounded to bf16 when kept and widened back for the backward's
+    recompute; half the bytes, not exact: the recompute starts from the rounded input (a measured loss
+    band is in docs/benchmarks.md). Needs bf16 compute."""
 
     check_host_memory: bool = True
     """Before allocating, compare the host bytes the plan needs with the RAM available and raise

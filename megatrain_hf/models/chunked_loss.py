@@ -17,7 +17,11 @@ exactly; with several, the sums run chunk by chunk, so results equal HF's up to 
 
 The forward returned by :func:`chunked_forward` gives ``logits=None``: it is used only for
 training forwards with labels (Trainer reads only the loss); evaluation and generation run the
-model's own forward.
+model's own forward. It also gives way, at every forward, to the model's own forward (the full
+logits through the streamed head unit, exactly HF's) while anything a user attached to the head or
+the loss would not run in the kernel (:func:`customised`): a hook on the head module (forward,
+pre-forward, backward; its own or torch's global module hooks), or a loss other than HF's causal-LM
+cross-entropy (``model.loss_function = ...``, ``model.loss_type``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from torch.nn.modules import module as _torch_module
 
 from ..core.layout import loss_chunk_tokens
 
@@ -140,6 +146,32 @@ class ChunkedLMLoss:
         return (grad_hidden.view_as(x) if grad_hidden is not None else None), sums
 
 
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOK_DICTS = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+                      "_global_backward_hooks")
+
+
+def customised(base: torch.nn.Module, head: torch.nn.Module) -> str | None:
+    """What a user attached to the head or the loss that the chunked kernel would not run, or None.
+
+    Read at every forward (hooks and the loss can be set at any time): hooks on the head module, torch's
+    global module hooks (they fire on the head too), and a ``loss_function`` other than HF's causal-LM
+    cross-entropy (transformers' setter, or ``loss_type`` naming another loss)."""
+    hooks = [name for name in _HOOK_DICTS if getattr(head, name, None)]
+    if hooks:
+        return f"the lm_head has hooks ({', '.join(hooks)})"
+    hooks = [name for name in _GLOBAL_HOOK_DICTS if getattr(_torch_module, name, None)]
+    if hooks:
+        return f"global module hooks are registered ({', '.join(hooks)})"
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    loss_function = getattr(base, "loss_function", None)
+    if loss_function is not None and loss_function is not LOSS_MAPPING.get("ForCausalLM"):
+        name = getattr(loss_function, "__qualname__", None) or type(loss_function).__name__
+        return f"the model's loss_function is {name}, not transformers' causal-LM cross-entropy"
+    return None
+
+
 def chunked_forward(base: torch.nn.Module, original: Callable, chunk: int | None,
                     head_loss: Callable[[torch.Tensor, ChunkedLMLoss], torch.Tensor],
                     active: Callable[[], bool]) -> Callable:
@@ -149,13 +181,15 @@ def chunked_forward(base: torch.nn.Module, original: Callable, chunk: int | None
     says whether the chunked loss applies now (the integration decides). Used when the module is
     training, gradients are enabled and ``labels`` are given as a keyword (positional arguments and
     ``return_dict=False`` route to the original forward). ``logits_to_keep`` is ignored there: no
-    logits are returned.
+    logits are returned. Hooks on the head (``get_output_embeddings()``) and the model's loss function
+    make the forward give way to the original one (:func:`customised`), logged at INFO once per reason.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     config = base.config
     softcap = getattr(config, "final_logit_softcapping", None)
     vocab = config.vocab_size
+    reported: set[str] = set()
 
     @functools.wraps(original)
     def forward(*args, **kwargs):
@@ -168,6 +202,13 @@ def chunked_forward(base: torch.nn.Module, original: Callable, chunk: int | None
             or not torch.is_grad_enabled()
             or kwargs.get("return_dict") is False
         ):
+            return original(*args, **kwargs)
+        reason = customised(base, base.get_output_embeddings())
+        if reason is not None:
+            if reason not in reported:
+                reported.add(reason)
+                logger.info("megatrain: %s; the loss is computed from the full logits (HF's forward through the "
+                            "streamed head) instead of the chunked loss, so that it runs.", reason)
             return original(*args, **kwargs)
         kwargs = dict(kwargs)
         labels = kwargs.pop("labels")

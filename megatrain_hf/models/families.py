@@ -31,6 +31,7 @@ from typing import Callable
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from .layer_recipes import RECIPES, LayerRecipe
 
 INPUT_KWARGS = ("hidden_states", "input_ids", "input", "inputs_embeds")
 """Keyword names under which a unit may receive its main input."""
@@ -89,13 +90,14 @@ class Family:
     model_type: str
     locate: Callable[[nn.Module], Units]
     chunked_loss: bool
+    layer_recipe: LayerRecipe | None = None
 
 
 FAMILIES: dict[str, Family] = {}
 
 
 def register_family(model_type: str, locate: Callable[[nn.Module], Units] | None = None,
-                    chunked_loss: bool = False) -> Family:
+                    chunked_loss: bool = False, layer_recipe: LayerRecipe | None = None) -> Family:
     """Declare ``model_type`` supported, after checking that it trains exactly like plain HF (the
     parity tests of ``tests/parity/test_parity.py`` with the family added to ``FAMILY_CONFIGS`` in
     ``tests/helpers.py``).
@@ -108,8 +110,10 @@ def register_family(model_type: str, locate: Callable[[nn.Module], Units] | None
     model lies inside a unit; tables looked up by index are ``Units.embedding_units``.
     ``chunked_loss``: whether the chunked loss is exact for it (see the module docstring); when
     unsure, False (HF's own loss, always exact).
+    ``layer_recipe``: the decoder layer's per-token parts (``layer_recipes.py``; default: the
+    built-in recipe of ``model_type`` if any), for whole-layer sequence tiling.
     """
-    family = Family(model_type, locate or decoder_units(), chunked_loss)
+    family = Family(model_type, locate or decoder_units(), chunked_loss, layer_recipe or RECIPES.get(model_type))
     FAMILIES[model_type] = family
     return family
 

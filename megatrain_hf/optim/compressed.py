@@ -30,11 +30,16 @@ class EntryState:
         """Moment ``k`` (0: m, 1: v) expanded to a new fp32 flat."""
         return expand(self.fmt, k, self.codes[k], self.scales[k], self.numel)
 
-    def assign(self, k: int, x: torch.Tensor) -> None:
-        """Moment ``k`` := ``x`` (compressed)."""
-        compress(self.fmt, k, x.reshape(-1).to(torch.float32), self.codes[k], self.scales[k])
+    def assign(self, k: int, x: torch.Tensor, toward_zero: torch.Tensor | None = None) -> None:
+        """Moment ``k`` := ``x`` (compressed); ``toward_zero``: see :func:`moment_formats.compress`."""
+        mask = None if toward_zero is None else toward_zero.reshape(-1)
+        compress(self.fmt, k, x.reshape(-1).to(torch.float32), self.codes[k], self.scales[k], mask)
 
-    write_back = assign  # after a kernel updated the expanded copy of :meth:`fp32`
+    def write_back(self, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> None:
+        """After a kernel updated the expanded copies of :meth:`fp32`: compress them again (no gradient:
+        m rounds toward zero, ``moment_formats.py``)."""
+        self.assign(0, m, grad == 0)
+        self.assign(1, v)
 
     def views(self, shape) -> dict[str, torch.Tensor]:
         """What ``optimizer.state[p]`` shows of it: nothing (``state_dict()`` expands a copy)."""

@@ -10,8 +10,8 @@
 Both read the moments through the entry states of ``moment_store.py`` (no branch on the format):
 with fp32 moments :func:`torch_update` runs on views of the flats; with compressed ones
 (``optimizer_state`` other than fp32) ``fp32(k)`` expands each tensor's moments to an fp32 copy and
-``write_back`` compresses them again (a tensor-sized fp32 copy at a time). :func:`native_update`
-hands the group to its layout (``layout.native``): the fp32 flats, or the codes and scales that the
+``write_back`` compresses them again, m toward zero where the gradient is zero (a tensor-sized fp32
+copy at a time). :func:`native_update` hands the group to its layout (``layout.native``): the fp32 flats, or the codes and scales that the
 C++ expands, updates and compresses block by block in the same single pass (no fp32 copy).
 
 :class:`TorchKernel` and :class:`NativeKernel` are the two as the per-unit update calls them.
@@ -75,9 +75,8 @@ def torch_update(w: GroupWork) -> None:
         beta2=w.beta2, weight_decay=w.weight_decay, eps=w.eps, maximize=w.maximize, grad_scale=None,
         found_inf=None,
     )
-    for s, m, v in zip(w.states, exp_avgs, exp_avg_sqs):
-        s.write_back(0, m)
-        s.write_back(1, v)
+    for s, m, v, g in zip(w.states, exp_avgs, exp_avg_sqs, grads):
+        s.write_back(m, v, g)
 
 
 def native_update(lib, w: GroupWork, stages: list[torch.Tensor | None]) -> None:

@@ -12,12 +12,22 @@
   (1/16 ... 16/16) for v, so that no v rounds to zero; two codes per byte (1 B/param + scales).
 
 A code is the index of the map value nearest to ``x / absmax``: the number of midpoints between
-adjacent map values that are ``<=`` it (ties round up). Expanding is ``map[code] * absmax``. Blocks
+adjacent map values that are ``<=`` it (ties round up). Expanding is ``map[code] * absmax``. Two
+exceptions keep one step of AdamW bounded where a block holds large and tiny moments (an embedding's
+rows absent from the batch beside a frequent one; issue 33):
+
+* a positive v never takes the value 0 (8-bit v: code 1, ``3.25e-7 * absmax``, where the nearest is
+  0): a v rounded to 0 while m is not turned ``m / (sqrt(v) + eps)`` into ``m / eps``, ~400x lr;
+* the m of an element whose gradient is 0 this step takes the nearest map value not larger in
+  magnitude (one code back toward 0 where the nearest is larger), so that it shrinks every step and
+  reaches 0, as exact AdamW's decays by beta1; rounded to nearest it could stay on a coarse level
+  while v stayed too, and move the row by the same step for ever. Blocks
 start at each tensor's first element (a block never spans two tensors), so a parameter without a
 gradient keeps its codes. Both kernels (``csrc/host_adamw.cpp`` and :func:`expand` /
 :func:`compress` here) do these operations in fp32 with the same IEEE ops: they agree bitwise.
 
-Round-trip bound: ``|x - expand(compress(x))| <= absmax(block) * max_error(map)``, where
+Round-trip bound (m of an element without a gradient: up to a whole gap, twice it):
+``|x - expand(compress(x))| <= absmax(block) * max_error(map)``, where
 ``max_error`` is half the largest gap between adjacent map values (for the map without zero, also
 the distance from 0 to its smallest value): 8-bit m 0.0070, v 0.0035; 4-bit m 0.1125, v 0.0625
 (:func:`error_bound`; ``tests/parity/test_quant_state.py`` checks it).
@@ -97,6 +107,11 @@ class Format:
     def table(self, k: int) -> torch.Tensor:
         return torch.tensor(self.maps[k], dtype=torch.float32)
 
+    def floor_code(self, k: int) -> int:
+        """The lowest code a positive value of moment ``k`` may take: 1 where the map's lowest value
+        is 0 and ``k`` is v (a positive v never expands to 0), else 0 (no floor)."""
+        return 1 if k == 1 and self.quantized and self.maps[1][0] == 0.0 else 0
+
     def midpoints(self, k: int) -> torch.Tensor:
         q = self.table(k)
         return (q[:-1] + q[1:]) / 2  # fp32, the same numbers the native kernel receives
@@ -157,8 +172,15 @@ def expand(fmt: Format, k: int, codes: torch.Tensor, scales: torch.Tensor | None
     return values * scales.repeat_interleave(fmt.block)[:numel]
 
 
-def compress(fmt: Format, k: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None) -> None:
-    """Write fp32 ``x`` (one tensor, 1-D) into its codes (and scales) slice, in place."""
+def compress(fmt: Format, k: int, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None,
+             toward_zero: torch.Tensor | None = None) -> None:
+    """Write fp32 ``x`` (one tensor, 1-D) into its codes (and scales) slice, in place.
+
+    The code is the nearest map value's, with two exceptions (the rules of :func:`floor_code` and
+    ``toward_zero``, see the module's docstring): a positive v never takes a zero level, and where
+    ``toward_zero`` (a bool mask, m only: the elements without a gradient this step) is set, m takes
+    the nearest map value not larger in magnitude.
+    """
     if fmt.bits == 16:
         codes.copy_(x)  # round to nearest even
         return
@@ -170,6 +192,13 @@ def compress(fmt: Format, k: int, x: torch.Tensor, codes: torch.Tensor, scales: 
     per = absmax.repeat_interleave(block)[:numel]
     normed = torch.where(per > 0, x / torch.where(per > 0, per, 1.0), 0.0)
     found = torch.bucketize(normed, fmt.midpoints(k), right=True)  # count of midpoints <= x
+    floor = fmt.floor_code(k)
+    if floor:
+        found = torch.where((x > 0) & (found < floor), floor, found)
+    if toward_zero is not None:
+        value = fmt.table(k)[found]
+        away = toward_zero & (value.abs() > normed.abs())  # rounded away from zero: one code back
+        found = torch.where(away, found - torch.sign(value).long(), found)
     codes.copy_(_pack(found, fmt.bits))
 
 

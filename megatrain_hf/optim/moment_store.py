@@ -9,7 +9,7 @@ The two axes are composed, not branched on:
   (a file of the disk tier, paged through a window of RAM slots, ``paged_state.py``; with the unit's
   staged masters in the same file where they are on disk).
 
-Every entry state answers the same questions (``fp32(k)``, ``assign(k, x)``, ``write_back(k, x)``,
+Every entry state answers the same questions (``fp32(k)``, ``assign(k, x)``, ``write_back(m, v, grad)``,
 ``views(shape)``), so the kernels, ``state_dict()``, ``load_state_dict()`` and the checkpoints read one
 code path for every format and tier. :class:`MomentStore` puts the two together for one optimizer.
 """
@@ -41,8 +41,8 @@ class Fp32State:
     def assign(self, k: int, x: torch.Tensor) -> None:
         self.moments[k].copy_(x.reshape(self.moments[k].shape))
 
-    def write_back(self, k: int, x: torch.Tensor) -> None:
-        """(``x`` is :meth:`fp32`'s view, updated in place: nothing to do)"""
+    def write_back(self, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> None:
+        """(``m``, ``v`` are :meth:`fp32`'s views, updated in place: nothing to do)"""
 
     def views(self, shape) -> dict[str, torch.Tensor]:
         return {"exp_avg": self.moments[0], "exp_avg_sq": self.moments[1]}

@@ -1,9 +1,12 @@
 """Where a streamed node's input comes from in its backward: the activation checkpoints.
 
 A unit's call keeps its input (the *checkpoint*) in a *home*: :class:`DeviceHome` (the autograd
-node's saved tensor, on the compute device) or :class:`HostHome` (pinned host memory,
-``core/activation_offload.py``, chained per micro-batch so the one before comes back while this
-one is back-propagated). With ``checkpoint_interval=k`` only every k-th call of a micro-batch's
+node's saved tensor, on the compute device), :class:`HostHome` (pinned host memory,
+``core/activation_offload.py``; with a disk pool, a checkpoint the RAM cannot take spills to the
+disk tier, unit by unit) or :class:`DiskHome` (a file under ``offload_dir``, ``core/checkpoint_disk.py``).
+Kept checkpoints are chained per micro-batch, whatever their home, so the one before comes back while
+this one is back-propagated (its owner's ``prefetch``). ``checkpoint_dtype="bf16"`` keeps a floating
+input rounded to bf16 in any home and widens it back in the backward (half the bytes; not exact). With ``checkpoint_interval=k`` only every k-th call of a micro-batch's
 *chain* keeps it -- a chain is a run of calls each fed the very tensor the previous one returned,
 unchanged -- and the backward of a call that kept none recomputes the inputs of its block from the
 last kept one (each call's forward once more, without a graph, with its RNG and autocast state),
@@ -20,27 +23,73 @@ import weakref
 
 import torch
 
-from ..core.activation_offload import Checkpoint, CheckpointOffload
+from ..core.activation_offload import Checkpoint, CheckpointOffload, stored_form
+from ..errors import HostMemoryError
 
 
 class DeviceHome:
-    """Checkpoints stay on the compute device, saved by the autograd node."""
+    """Checkpoints stay on the compute device, saved by the autograd node (rounded to ``dtype`` if given)."""
 
-    pool = None  # the pinned pool (HostHome)
+    pool = None  # the pinned pool (HostHome) or the disk tier's (DiskHome)
+
+    def __init__(self, dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype  # checkpoint_dtype (None: the input's own)
 
     def keep(self, ctx, x: torch.Tensor, previous) -> Checkpoint | None:
         """Keep ``x`` for ``ctx``'s backward (``previous``: the micro-batch's last checkpoint kept here)."""
-        ctx.save_for_backward(x)
+        stored = stored_form(x, self.dtype)
+        if stored.dtype == x.dtype:
+            ctx.save_for_backward(x)
+            ctx.narrowed = None
+        else:
+            ctx.save_for_backward(stored)
+            ctx.narrowed = (x.dtype, x.requires_grad)
         return None
 
     def load(self, ctx) -> torch.Tensor:
-        return ctx.saved_tensors[0]
+        x = ctx.saved_tensors[0]
+        if getattr(ctx, "narrowed", None) is None:
+            return x
+        dtype, requires_grad = ctx.narrowed
+        return x.to(dtype).requires_grad_(requires_grad)
+
+    def _load_chained(self, ctx) -> torch.Tensor:
+        """A checkpoint kept off the device: back from its pool, the micro-batch's previous one started."""
+        ckpt = ctx.ckpt
+        x = ckpt.owner.load(ckpt)
+        if ckpt.prev is not None:
+            ckpt.prev.owner.prefetch(ckpt.prev)
+        ckpt.prev = None
+        return x
 
 
 class HostHome(DeviceHome):
-    """Checkpoints in pinned host buffers (a pool reused across steps), back one call ahead."""
+    """Checkpoints in pinned host buffers (a pool reused across steps), back one call ahead; with ``spill``
+    (the disk tier's pool), a checkpoint the RAM cannot take goes to disk instead."""
 
-    def __init__(self, pool: CheckpointOffload) -> None:
+    def __init__(self, pool: CheckpointOffload, spill=None) -> None:
+        super().__init__(pool.dtype)
+        self.pool, self.spill = pool, spill
+
+    def keep(self, ctx, x: torch.Tensor, previous) -> Checkpoint | None:
+        if not x.is_floating_point():
+            return super().keep(ctx, x, previous)
+        if self.spill is None:
+            return self.pool.save(x, previous)
+        try:
+            return self.pool.save(x, previous)
+        except HostMemoryError:
+            return self.spill().save(x, previous)
+
+    def load(self, ctx) -> torch.Tensor:
+        return super().load(ctx) if ctx.ckpt is None else self._load_chained(ctx)
+
+
+class DiskHome(DeviceHome):
+    """Checkpoints in the disk tier's file (``core/checkpoint_disk.py``), back one call ahead."""
+
+    def __init__(self, pool) -> None:
+        super().__init__(pool.dtype)
         self.pool = pool
 
     def keep(self, ctx, x: torch.Tensor, previous) -> Checkpoint | None:
@@ -49,12 +98,7 @@ class HostHome(DeviceHome):
         return self.pool.save(x, previous)
 
     def load(self, ctx) -> torch.Tensor:
-        if ctx.ckpt is None:
-            return super().load(ctx)
-        x = self.pool.load(ctx.ckpt)  # back from the host; the previous checkpoint starts up
-        self.pool.prefetch(ctx.ckpt.prev)
-        ctx.ckpt.prev = None
-        return x
+        return super().load(ctx) if ctx.ckpt is None else self._load_chained(ctx)
 
 
 class ActivationInputs:
@@ -64,6 +108,9 @@ class ActivationInputs:
         self.runner = runner
         self.home: DeviceHome = DeviceHome()
         self.interval = 1  # keep the checkpoint of every k-th call of a chain (the engine sets it)
+        # units whose checkpoint stays on the device whatever the home (the engine: the head, whose
+        # backward comes first: its checkpoint would come back as soon as it went down)
+        self.device_units: frozenset[int] = frozenset()
         self._chains: dict[int, weakref.ref] = {}  # micro-batch -> its last checkpoint kept in the home
         self._last_out: dict[int, tuple] = {}  # micro-batch -> (its last output, its version, chain position)
 
@@ -109,6 +156,10 @@ class ActivationInputs:
         """The node ``ctx`` keeps its input ``x`` in the home (its block's first call only)."""
         key = self.microbatch_key()
         last = self._chains.get(key)
+        if ctx.call.unit in self.device_units:
+            ctx.ckpt = DeviceHome.keep(self.home, ctx, x, None)
+            ctx.chain_prev = last() if last is not None else None  # started when this one is used
+            return
         ctx.ckpt = self.home.keep(ctx, x, last() if last is not None else None)
         if ctx.ckpt is not None:
             self._chains[key] = weakref.ref(ctx.ckpt)
@@ -125,7 +176,12 @@ class ActivationInputs:
             x, ctx.recomputed = ctx.recomputed, None
             return x
         if ctx.parent is None:
-            return self.home.load(ctx)
+            x = self.home.load(ctx)
+            prev = getattr(ctx, "chain_prev", None)
+            if prev is not None:
+                ctx.chain_prev = None
+                prev.owner.prefetch(prev)
+            return x
         chain, node = [ctx], ctx.parent
         while node.parent is not None and node.recomputed is None:
             chain.append(node)

@@ -8,6 +8,12 @@ from typing import Annotated, Literal
 from ..errors import MegatrainConfigError
 
 
+def _compile_backend(name: str, value) -> None:
+    if not isinstance(value, str) or not value:
+        raise MegatrainConfigError(f"MegaTrainConfig.{name}={value!r}; allowed: a torch.compile backend name, "
+                                   "e.g. 'inductor' or 'aot_eager'.")
+
+
 def _positive_int(name: str, value) -> None:
     if isinstance(value, bool) or (isinstance(value, int) and value < 1):
         raise MegatrainConfigError(f"MegaTrainConfig.{name}={value!r}; allowed: an int >= 1"
@@ -22,7 +28,9 @@ class RuntimeOptions:
     uploaded twice per step instead of twice per micro-batch, its gradients summed on the GPU and
     downloaded once); `False` runs them one after another as plain Trainer does. `"auto"`: layer-major
     unless the model has dropout (its random masks would then be drawn in a different order than
-    plain Trainer draws them), a parameter has tensor hooks (they run once per micro-batch), or the
+    plain Trainer draws them), a module inside a layer (or torch's global module hooks) has forward,
+    pre-forward or backward hooks (they may draw random numbers; transformers' output capture and
+    megatrain's own hooks do not count), a parameter has tensor hooks (they run once per micro-batch), or the
     Trainer subclass overrides `training_step` (its per-call state would see another order).
     Activation checkpoints of all micro-batches of a step are alive at once on the GPU (see
     docs/memory.md)."""
@@ -45,3 +53,19 @@ class RuntimeOptions:
     those layers, their weights fetched once more) and holds them for the block's backward. `1`:
     every unit keeps its checkpoint. Cuts the checkpoint bytes (on the GPU, or on the host with
     `offload_checkpoints`) by about k at the cost of ~(k-1)/k of a forward per step."""
+
+    compile: bool = False
+    """Regional compilation: `torch.compile` of the decoder layers' shared template, compiled once
+    per shape for the forward and once for the backward's recompute and reused by every layer
+    (`TrainingArguments(torch_compile=True)` turns it on under Trainer, with its backend and mode;
+    the whole model is then not compiled). Calls whose compiled form could differ run eagerly: the
+    embedding, final norm and head, sequence-tiled MLPs, units with active hooks. Graphs, graph
+    breaks and recompiles are reported as `megatrain/compile_*` metrics. Refused with dropout in
+    training (the compiled forward and its recompute would draw other random numbers than eager)."""
+
+    compile_backend: Annotated[str, _compile_backend] = "inductor"
+    """The `torch.compile` backend of `compile=True` (`TrainingArguments.torch_compile_backend`)."""
+
+    compile_mode: Literal["default", "max-autotune-no-cudagraphs", "reduce-overhead", "max-autotune"] | None = None
+    """The `torch.compile` mode of `compile=True` (`TrainingArguments.torch_compile_mode`); the modes
+    that capture CUDA graphs (`"reduce-overhead"`, `"max-autotune"`) are refused."""

@@ -47,7 +47,7 @@ from ..core.template import HookRecord, Mirror, Template
 from .autocast import autocast_state
 from .activation_inputs import ActivationInputs, DeviceHome, HostHome
 from .grads_in_place import embedding_weights, embeddings_into, landing_regions
-from .tiling import tileable_mlp, tiled
+from .tiling import mlp_width, tileable_mlp, tiled, tiled_layer
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,7 @@ class Call:
     seen_at: list[int] = field(default_factory=list)  # positions in HookRecord.seen that are node outputs
     seen_shapes: list[tuple] = field(default_factory=list)  # (number seen, shapes of those outputs)
     parent: Any = None  # checkpoint_interval > 1: the node whose output is this call's input (not kept)
+    compiled: bool | None = None  # runs the compiled template (runtime/compiled.py); None: not decided yet
 
 
 class StreamedUnit(torch.autograd.Function):
@@ -158,6 +159,11 @@ class UnitRunner:
         self._end_queued = None  # graph-task id of the pass whose end callback is queued
         # (tokens, hidden, intermediate width) -> tokens per MLP tile or None; set by the engine (None: never tiled)
         self.tile_policy: Callable[[int, int, int], int | None] | None = None
+        # the family's layer recipe (models/layer_recipes.py): decoder layers tile whole; None: the MLP alone
+        self.layer_recipe: Any = None
+        self._declined: set[str] = set()  # reasons a layer ran without its recipe, logged once each
+        self.on_sequence: Callable[[int], None] | None = None  # a training sequence's length (the engine's checks)
+        self.compiler = None  # RegionCompiler (runtime/compiled.py) with compile=True; set by the engine
 
     @property
     def offload(self):
@@ -166,7 +172,7 @@ class UnitRunner:
 
     @offload.setter
     def offload(self, pool) -> None:
-        self.inputs.home = HostHome(pool) if pool is not None else DeviceHome()
+        self.inputs.home = HostHome(pool) if pool is not None else DeviceHome(self.inputs.home.dtype)
 
     @property
     def checkpoint_interval(self) -> int:
@@ -202,6 +208,8 @@ class UnitRunner:
                 seq = x.shape[-1] if x.dim() else 1
                 self.stats.count_tokens(x.numel(), seq)
                 self.budget.note_call(0, x.numel())
+                if self.on_sequence is not None:
+                    self.on_sequence(seq)
             self.inputs.start_chain()  # a micro-batch's forward starts a new chain
         if not needs_graph:
             out = self.compute(call, x, self.streamer.fetch(u), hooks=False)
@@ -245,12 +253,23 @@ class UnitRunner:
             self.stats.forward_units += 1
             return out
         call.hooks.seen = []
-        module = unit.template.bind(tensors, unit.mirror, call.hooks if hooks else None, recompute)
+        tile = self._tile_for(unit.module, x)  # the real unit: its own hooks and structure
+        if call.compiled is None:  # decided at the forward; the recompute runs the same way
+            # (training calls only: a call without a graph may carry a KV cache, per-layer state)
+            call.compiled = hooks and self.compiler is not None and self.compiler.applies(unit, call.kernel, tile)
+        module = unit.template.bind(tensors, unit.mirror, call.hooks if hooks else None, recompute,
+                                    without_hooks=call.compiled)
         try:
-            with self._autocast(None), tiled(module, self._tile_for(module, x)) as tiling:
-                self.stats.tiled_calls += tiling
+            recipe = self._recipe_for(unit.name, module, call) if tile else None  # (tiled: never compiled)
+            with self._autocast(None), tiled(module, tile if recipe is None else None) as tiling:
+                self.stats.tiled_calls += tiling or recipe is not None
                 # forward, not __call__: the real unit's __call__ already ran its own hooks
-                if call.input_key is None:
+                if recipe is not None:
+                    self.stats.tiled_layer_calls += 1
+                    out = tiled_layer(recipe, module, x, call.kwargs, tile)
+                elif call.compiled:
+                    out = self.compiler.run(module, x, call.args, call.kwargs, call.input_key)
+                elif call.input_key is None:
                     out = module.forward(x, *call.args, **call.kwargs)
                 else:
                     out = module.forward(*call.args, **{call.input_key: x}, **call.kwargs)
@@ -271,8 +290,18 @@ class UnitRunner:
         mlp = tileable_mlp(module)
         if mlp is None:
             return None
-        width = max(m.out_features for m in mlp.modules() if isinstance(m, nn.Linear))
-        return self.tile_policy(x.numel() // x.shape[-1], x.shape[-1], width)
+        return self.tile_policy(x.numel() // x.shape[-1], x.shape[-1], mlp_width(mlp))
+
+    def _recipe_for(self, name: str, module: nn.Module, call: Call):
+        """The layer recipe that tiles ``module``'s call whole, or None (its MLP tiles alone; why: logged once)."""
+        recipe = self.layer_recipe
+        if recipe is None or call.input_key not in (None, "hidden_states"):
+            return None
+        why = recipe.why_not(module, call.args, call.kwargs)
+        if why is not None and why not in self._declined:
+            self._declined.add(why)
+            logger.info("megatrain: %s runs with only its MLP sequence-tiled: %s", name, why)
+        return recipe if why is None else None
 
     def recompute_backward(self, call: Call, x: torch.Tensor, grad_out: torch.Tensor,
                            grad_seen: tuple = ()) -> torch.Tensor | None:

@@ -1,20 +1,29 @@
-"""Sequence-tiled MLP inside a unit's compute and recompute (exact: the MLP is per-token math).
+"""Sequence tiling inside a unit's compute and recompute (exact: per-token math, tile by tile).
 
-A decoder layer's MLP turns ``tokens x hidden`` into ``tokens x intermediate`` tensors (gate, up,
-their product: about 3.5x the hidden width each for Llama-style models), the largest activations
-of a layer at long sequence lengths. Tiling runs it over ``tile`` tokens at a time, so those
-intermediates exist for one tile only:
+At long sequence lengths a decoder layer's largest activations are per-token: the MLP's
+``tokens x intermediate`` tensors (gate, up, their product), and around the attention core the
+norms' outputs, the projections before rotary embedding, the o projection's output and the
+residual sums. Tiling runs such per-token math over ``tile`` tokens at a time, so what it computes
+inside exists for one tile only:
 
-* the streamed forward (no graph): tile by tile, each tile's output written into the output;
-* the backward's recompute (with grad): :class:`TiledMLP`, an ``autograd.Function`` that saves
-  only its input and, in its backward, recomputes and back-propagates tile by tile (as Snowflake
-  ALST's ``TiledMLP`` does), summing the weights' gradients over the tiles in fp32.
+* :class:`TiledTokens`, an ``autograd.Function`` running ``fn(*inputs)`` over tiles of the
+  sequence dimension (dim 1): its forward runs without a graph, tile by tile, into full-length
+  outputs, and saves only its inputs; its backward recomputes and back-propagates tile by tile
+  (as Snowflake ALST's ``TiledMLP`` does), writing the inputs' gradients into full-length buffers
+  and summing the weights' gradients over the tiles in fp32;
+* a whole decoder layer (:func:`tiled_layer`), for families with a layer recipe
+  (``models/layer_recipes.py``): input norm, q/k/v projections and rotary embedding in one
+  ``TiledTokens``; the attention kernel on the full q, k, v (HF's attention interface, unchanged);
+  the o projection, residual add, post-attention norm and MLP in a second ``TiledTokens``. Inside
+  the layer the only full-length tensors left are its input and output, q, k, v, the attention
+  output, their gradients and the attention kernel's workspace;
+* the MLP alone (:func:`tiled`), for every other layer whose MLP is tileable.
 
-The MLP's weights are inputs of the Function (they are the recompute's leaves, so their
-gradients reach the unit's ``autograd.grad``); the template is unbound by the time the backward
-runs, so the backward binds them again around each tile's recompute. Tiling applies to an MLP
-whose parameters all sit in ``nn.Linear`` modules, that draws no random numbers and carries no
-hooks (a mixture-of-experts block, GPT-2's Conv1D MLP, a hooked one run whole).
+The weights are inputs of the Function (they are the recompute's leaves, so their gradients reach
+the unit's ``autograd.grad``); the template is unbound by the time the backward runs, so the
+backward binds them again around each tile's recompute. Every per-tile kernel has fewer than
+2^31 elements (``MAX_TILE_ELEMENTS``): int32-indexed kernels fail beyond (ALST reports an illegal
+memory access at 555K tokens of an 8 B model).
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ from .autocast import autocast_state
 
 MLP_ATTRS = ("mlp", "feed_forward")
 """Attributes of a decoder layer under which families keep their MLP."""
+
+MAX_TILE_ELEMENTS = 2**31 - 1
+"""No tile's widest tensor may have more elements than this (int32 indexing)."""
 
 
 def tileable_mlp(layer: nn.Module) -> nn.Module | None:
@@ -46,8 +58,21 @@ def tileable_mlp(layer: nn.Module) -> nn.Module | None:
     return mlp if any(isinstance(m, nn.Linear) for m in mlp.modules()) else None
 
 
-def _bound_params(mlp: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    return [(m, name, p) for m in mlp.modules() for name, p in m._parameters.items() if p is not None]
+def mlp_width(mlp: nn.Module) -> int:
+    """The widest output of the MLP's linear layers (its intermediate width)."""
+    return max(m.out_features for m in mlp.modules() if isinstance(m, nn.Linear))
+
+
+def bound_params(modules: list[nn.Module]) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(module, name, tensor) of every parameter slot of ``modules`` and their sub-modules, once each."""
+    seen, out = set(), []
+    for root in modules:
+        for m in root.modules():
+            for name, p in m._parameters.items():
+                if p is not None and (id(m), name) not in seen:
+                    seen.add((id(m), name))
+                    out.append((m, name, p))
+    return out
 
 
 @contextlib.contextmanager
@@ -67,58 +92,78 @@ def _tiles(tokens: int, tile: int):
         yield start, min(tokens, start + tile)
 
 
-def _tile_loop(forward: Callable, x2d: torch.Tensor, tile: int) -> torch.Tensor:
-    out = None
-    for start, end in _tiles(x2d.shape[0], tile):
-        y = forward(x2d[start:end])
-        if out is None:
-            out = y.new_empty((x2d.shape[0], *y.shape[1:]))
-        out[start:end] = y
-        del y
-    return out
+def _tile_loop(fn: Callable, inputs: tuple[torch.Tensor, ...], rows: int) -> list[torch.Tensor]:
+    """``fn`` over slices ``[:, start:end]`` of ``inputs``, its outputs written into full-length ones."""
+    length = inputs[0].shape[1]
+    outs = None
+    for start, end in _tiles(length, rows):
+        ys = fn(*[t[:, start:end] for t in inputs])
+        if outs is None:
+            outs = [y.new_empty((y.shape[0], length, *y.shape[2:])) for y in ys]
+        for out, y in zip(outs, ys):
+            out[:, start:end] = y
+        del ys
+    return outs
 
 
-class TiledMLP(torch.autograd.Function):
-    """``forward(x)`` of an MLP over tiles of tokens; the backward recomputes tile by tile."""
+class TiledTokens(torch.autograd.Function):
+    """``fn(*inputs) -> tuple of tensors``, per-token along dim 1, over tiles of ``rows`` positions;
+    the backward recomputes tile by tile (module docstring). Inputs that need no gradient (rotary
+    tables) are sliced like the others."""
 
     @staticmethod
-    def forward(ctx, forward: Callable, slots: list, tile: int, autocast: tuple, x: torch.Tensor,
-                *params: torch.Tensor) -> torch.Tensor:
-        ctx.forward, ctx.slots, ctx.tile, ctx.autocast = forward, slots, tile, autocast
-        ctx.save_for_backward(x, *params)
-        shape = x.shape
+    def forward(ctx, fn: Callable, slots: list, rows: int, autocast: tuple, n_in: int, *args: torch.Tensor):
+        ctx.fn, ctx.slots, ctx.rows, ctx.autocast, ctx.n_in = fn, slots, rows, autocast, n_in
+        ctx.save_for_backward(*args)
         with torch.no_grad():
-            out = _tile_loop(forward, x.reshape(-1, shape[-1]), tile)
-        return out.reshape(*shape[:-1], out.shape[-1])
+            return tuple(_tile_loop(fn, args[:n_in], rows))
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        x, *params = ctx.saved_tensors
-        need_x = ctx.needs_input_grad[4]
-        need_p = list(ctx.needs_input_grad[5:])
-        x2d = x.reshape(-1, x.shape[-1])
-        g2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = torch.empty_like(x2d) if need_x else None
+    def backward(ctx, *grad_outs: torch.Tensor):
+        saved = ctx.saved_tensors
+        inputs, params = saved[: ctx.n_in], saved[ctx.n_in :]
+        need_in = list(ctx.needs_input_grad[5 : 5 + ctx.n_in])
+        need_p = list(ctx.needs_input_grad[5 + ctx.n_in :])
+        grad_in = [torch.zeros_like(x) if n else None for x, n in zip(inputs, need_in)]
         sums: list[torch.Tensor | None] = [None] * len(params)
-        device_type, (enabled, dtype, cache) = x.device.type, ctx.autocast
-        for start, end in _tiles(x2d.shape[0], ctx.tile):
+        device_type, (enabled, dtype, cache) = inputs[0].device.type, ctx.autocast
+        for start, end in _tiles(inputs[0].shape[1], ctx.rows):
             leaves = [p.detach().requires_grad_(n) for p, n in zip(params, need_p)]
             with torch.enable_grad(), _bound(ctx.slots, tuple(leaves)), torch.autocast(
                     device_type, dtype=dtype, enabled=enabled, cache_enabled=cache):
-                xt = x2d[start:end].detach().requires_grad_(need_x)
-                y = ctx.forward(xt)
-            wanted = ([xt] if need_x else []) + [leaf for leaf, n in zip(leaves, need_p) if n]
-            grads = list(torch.autograd.grad(y, wanted, g2d[start:end], allow_unused=True))
-            del y
-            if need_x:
-                grad_x[start:end] = grads.pop(0)
+                xs = [x[:, start:end].detach().requires_grad_(n) for x, n in zip(inputs, need_in)]
+                ys = ctx.fn(*xs)
+            pairs = [(y, g[:, start:end]) for y, g in zip(ys, grad_outs) if g is not None and y.requires_grad]
+            wanted = [x for x, n in zip(xs, need_in) if n] + [leaf for leaf, n in zip(leaves, need_p) if n]
+            grads = list(torch.autograd.grad([y for y, _ in pairs], wanted, [g for _, g in pairs],
+                                             allow_unused=True)) if pairs and wanted else [None] * len(wanted)
+            del ys, pairs
+            for k, n in enumerate(need_in):
+                if n:
+                    g = grads.pop(0)
+                    if g is not None:
+                        grad_in[k][:, start:end] = g
             for k, n in enumerate(need_p):
                 if n:
                     g = grads.pop(0)
                     if g is not None:
                         sums[k] = g.float() if sums[k] is None else sums[k].add_(g)
         pgrads = [s.to(p.dtype) if s is not None else None for s, p in zip(sums, params)]
-        return (None, None, None, None, grad_x.reshape(x.shape) if need_x else None, *pgrads)
+        return (None, None, None, None, None, *grad_in, *pgrads)
+
+
+def tiled_call(fn: Callable, modules: list[nn.Module], rows: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``fn(*inputs)`` over tiles of ``rows`` positions (dim 1) with :class:`TiledTokens`, the
+    parameters of ``modules`` (what ``fn`` computes with) as the Function's weights."""
+    bound = bound_params(modules)
+    slots = [(m, name) for m, name, _ in bound]
+    return TiledTokens.apply(fn, slots, rows, autocast_state(inputs[0].device.type), len(inputs), *inputs,
+                             *[p for _, _, p in bound])
+
+
+def tile_rows(tile: int, batch: int, widest: int) -> int:
+    """Positions per tile for ``tile`` tokens over ``batch`` rows, each tile's widest tensor below 2^31."""
+    return max(1, min(tile // max(1, batch), MAX_TILE_ELEMENTS // max(1, batch * widest)))
 
 
 def tiled_forward(mlp: nn.Module, tile: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -128,13 +173,10 @@ def tiled_forward(mlp: nn.Module, tile: int) -> Callable[[torch.Tensor], torch.T
     def run(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs or x.dim() < 2 or x.reshape(-1, x.shape[-1]).shape[0] <= tile:
             return forward(x, *args, **kwargs)
-        if not torch.is_grad_enabled():
-            shape = x.shape
-            out = _tile_loop(forward, x.reshape(-1, shape[-1]), tile)
-            return out.reshape(*shape[:-1], out.shape[-1])
-        bound = _bound_params(mlp)
-        slots = [(m, name) for m, name, _ in bound]
-        return TiledMLP.apply(forward, slots, tile, autocast_state(x.device.type), x, *[p for _, _, p in bound])
+        shape = x.shape
+        rows = tile_rows(tile, 1, mlp_width(mlp))
+        (out,) = tiled_call(lambda t: (forward(t),), [mlp], rows, x.reshape(1, -1, shape[-1]))
+        return out.reshape(*shape[:-1], out.shape[-1])
 
     return run
 
@@ -151,3 +193,15 @@ def tiled(layer: nn.Module, tile: int | None):
         yield True
     finally:
         mlp.__dict__.pop("forward", None)
+
+
+def tiled_layer(recipe, layer: nn.Module, x: torch.Tensor, kwargs: dict, tile: int) -> torch.Tensor:
+    """A decoder layer's forward with every per-token operation tiled (module docstring), by ``recipe``
+    (``models/layer_recipes.py``: ``pre``/``pre_modules``, ``attend``, ``post``/``post_modules``)."""
+    cos, sin = kwargs["position_embeddings"]
+    widest = max(x.shape[-1], recipe.widest(layer))
+    rows = tile_rows(tile, x.shape[0], widest)
+    q, k, v = tiled_call(recipe.pre(layer), recipe.pre_modules(layer), rows, x, cos, sin)
+    attn = recipe.attend(layer, q, k, v, kwargs)
+    (out,) = tiled_call(recipe.post(layer), recipe.post_modules(layer), rows, x, attn)
+    return out

@@ -45,3 +45,38 @@ def test_tiled_and_interval_bf16(tmp_path, family, options):
             state)
     assert_close_losses(ref_losses, losses, BF16_LOSS_ATOL)
     assert_close_updates(init, ref_state, state, BF16_UPDATE_RTOL)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flash_attention_2"])
+def test_long_sequence_memory_within_the_plan(attention):
+    """One 32K-token sequence in bf16 through SDPA's flash backend (or flash-attn when installed), every
+    decoder layer tiled whole: the GPU peak of the forward and backward stays within the plan's
+    per-layer working set, checkpoints and logits chunk (memory/activations.py), with 256 MiB for
+    the weights, their gradients and the allocator's rounding."""
+    import importlib.util
+
+    from megatrain_hf import MegaTrainConfig, attach
+    from megatrain_hf.memory import activations
+
+    if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    seq, tile = 32768, 4096
+    shape = {**SHAPE, "max_position_embeddings": seq}
+    model = tiny_model("llama", **shape, attn_implementation=attention)
+    engine = attach(model, MegaTrainConfig(sequence_tile_tokens=tile), device="cuda", bf16=True)
+    ids = torch.randint(0, shape["vocab_size"], (1, seq), device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    h, heads, kv_heads = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    q_dim, kv_dim = h, h // heads * kv_heads
+    layers, vocab = shape["num_hidden_layers"], shape["vocab_size"]
+    planned = (activations.layer_working_set(seq, h, q_dim, kv_dim, shape["intermediate_size"], 2, tile)
+               + activations.checkpoint_bytes(seq, h, layers)
+               + min(seq, 2**26 // vocab) * vocab * 14 + 256 * 2**20)
+    assert engine.stats.tiled_layer_calls == 2 * layers  # forward and recompute of every layer, tiled whole
+    assert peak <= planned, f"GPU peak {peak / 2**20:.0f} MiB above the plan's {planned / 2**20:.0f} MiB"
+    engine.detach()

@@ -188,6 +188,7 @@ def _result(process: subprocess.Popen) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # three processes loading a 124M model: ~30 s alone on 2 cores
 def test_loading_peaks_at_the_host_plan(tmp_path):
     """A Llama of 124M parameters, a 236 MB bf16 checkpoint in 3 shards (each run in a process of its
     own). Full fine-tuning in fp32 (masters) and LoRA with bf16 compute (frozen weights in bf16):

@@ -20,28 +20,80 @@ ATOL_FP32 = 1e-6
 
 @pytest.fixture
 def tile_calls(monkeypatch):
-    """Counts the tile loops run (streamed forwards and the recomputes' TiledMLP forwards)."""
+    """Counts the tile loops run (the forwards of TiledTokens: streamed forwards and recomputes) by
+    (tokens of the sequence dimension, positions per tile)."""
     calls = []
     loop = tiling._tile_loop
 
-    def counted(forward, x2d, tile):
-        calls.append((x2d.shape[0], tile))
-        return loop(forward, x2d, tile)
+    def counted(fn, inputs, rows):
+        calls.append((inputs[0].shape[1], rows))
+        return loop(fn, inputs, rows)
 
     monkeypatch.setattr(tiling, "_tile_loop", counted)
     return calls
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
-def test_tiled_mlp_matches_plain_trainer(family, tmp_path, tile_calls):
-    ref = tiny_model(family)
+@pytest.fixture
+def layer_calls(monkeypatch):
+    """Counts the decoder-layer calls tiled whole (a family's layer recipe)."""
+    from megatrain_hf.runtime import streamed_call
+
+    calls = []
+    whole = streamed_call.tiled_layer
+    monkeypatch.setattr(streamed_call, "tiled_layer", lambda *a: calls.append(type(a[1]).__name__) or whole(*a))
+    return calls
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("llama", {}),  # GQA: 4 query heads, 2 key/value heads
+    ("qwen2", {}),  # q/k/v biases
+    ("mistral", {}),  # sliding window of 8 over 16 tokens
+    ("gemma2", {}),  # sliding-window layers, attention soft-capping, norms around attention and MLP
+    ("qwen3", {}),  # q/k norms
+    ("llama", dict(num_attention_heads=8, num_key_value_heads=1, head_dim=8)),  # multi-query
+])
+def test_tiled_layers_match_plain_trainer(family, extra, tmp_path, tile_calls, layer_calls):
+    """Every per-token operation of each decoder layer over tiles of 5 tokens (attention dropout
+    replayed): the same losses and parameters as plain Trainer (fp32, 1e-6)."""
+    ref = tiny_model(family, **extra)
     _, ref_losses = train(ref, training_args(tmp_path / "ref"))
-    model = tiny_model(family)
+    model = tiny_model(family, **extra)
     _, losses = train(model, training_args(tmp_path / "mt"), callbacks=[MegaTrainPlugin(sequence_tile_tokens=5)])
-    # 6 steps x 2 micro-batches x 2 layers, forward + recompute; 2 x 16 tokens in tiles of 5
-    assert len(tile_calls) == 48 and set(tile_calls) == {(32, 5)}
+    # 6 steps x 2 micro-batches x 2 layers, forward + recompute, each layer one pre and one post tile loop;
+    # 2 rows of 16 tokens: 5 tokens a tile -> 2 positions of both rows
+    assert len(layer_calls) == 48 and set(layer_calls) == {type(ref.model.layers[0]).__name__}
+    assert len(tile_calls) == 96 and set(tile_calls) == {(16, 2)}
     assert_close_losses(ref_losses, losses, ATOL_FP32)
     assert_close_params(*_split_key_bias(state_of(ref), state_of(model)), ATOL_FP32)
+
+
+@pytest.mark.parametrize("family", ["phi3", "mixtral"])
+def test_families_without_a_recipe_tile_the_mlp(family, tmp_path, tile_calls, layer_calls, caplog):
+    """A layer without a recipe runs whole but for its MLP (if tileable), the reason logged once."""
+    import logging
+
+    ref = tiny_model(family)
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", max_steps=2))
+    model = tiny_model(family)
+    with caplog.at_level(logging.INFO, logger="megatrain_hf.runtime.streamed_call"):
+        _, losses = train(model, training_args(tmp_path / "mt", max_steps=2),
+                          callbacks=[MegaTrainPlugin(sequence_tile_tokens=5)])
+    assert not layer_calls
+    assert len(tile_calls) == (0 if family == "mixtral" else 16)  # experts run whole
+    assert_close_losses(ref_losses, losses, ATOL_FP32)
+    assert_close_params(state_of(ref), state_of(model), ATOL_FP32)
+
+
+def test_a_hooked_layer_falls_back_with_its_reason(tmp_path, layer_calls, caplog):
+    import logging
+
+    model = tiny_model("llama")
+    model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda *a: None)
+    with caplog.at_level(logging.INFO, logger="megatrain_hf.runtime.streamed_call"):
+        train(model, training_args(tmp_path / "mt", max_steps=1), callbacks=[MegaTrainPlugin(sequence_tile_tokens=5)])
+    assert layer_calls == ["LlamaDecoderLayer"] * 4  # layer 0 only: forward and recompute of 2 micro-batches
+    reasons = [r.getMessage() for r in caplog.records if "only its MLP sequence-tiled" in r.getMessage()]
+    assert len(reasons) == 1 and "self_attn.o_proj has hooks" in reasons[0]
 
 
 def _split_key_bias(ref: dict, got: dict) -> tuple[dict, dict]:
@@ -49,8 +101,8 @@ def _split_key_bias(ref: dict, got: dict) -> tuple[dict, dict]:
 
     A key bias shifts every logit of a query by the same amount, which softmax ignores: its exact
     gradient is zero, the computed one rounding noise, and AdamW divides that noise by its own
-    magnitude, so any change in summation order (here: the MLP's tiles, upstream of it) moves the
-    bias by up to the learning rate's order. It is held to 1e-5 instead.
+    magnitude, so any change in summation order (here: the tiles, upstream of it) moves the bias by
+    up to the learning rate's order. It is held to 1e-5 instead.
     """
     for name in [n for n in ref if n.endswith("k_proj.bias")]:
         torch.testing.assert_close(got.pop(name), ref.pop(name), atol=1e-5, rtol=0)
@@ -167,8 +219,22 @@ def _pad(features: list[dict]) -> dict:
     return {k: torch.tensor(v) for k, v in out.items()}
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_padded_batches_tiled(family, tmp_path, layer_calls):
+    """Padded rows (attention mask, labels -100) through tiled layers: as plain Trainer."""
+    args = dict(max_steps=4, learning_rate=1e-3)
+    ref = tiny_model(family)
+    _, ref_losses = train(ref, training_args(tmp_path / "ref", **args), dataset=_Documents(), data_collator=_pad)
+    model = tiny_model(family)
+    _, losses = train(model, training_args(tmp_path / "mt", **args), dataset=_Documents(), data_collator=_pad,
+                      callbacks=[MegaTrainPlugin(sequence_tile_tokens=3)])
+    assert layer_calls
+    assert_close_losses(ref_losses, losses, ATOL_FP32)
+    assert_close_params(*_split_key_bias(state_of(ref), state_of(model)), ATOL_FP32)
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral"])
-def test_packed_batches_match_padded_ones(family, tmp_path):
+def test_packed_batches_match_padded_ones(family, tmp_path, layer_calls):
     """HF's flattening collator (one row, position_ids restarting per document, SDPA's packed mask)
     under megatrain, tiled: the same losses and parameters as plain Trainer on padded batches."""
     from transformers import DataCollatorWithFlattening
@@ -188,6 +254,7 @@ def test_packed_batches_match_padded_ones(family, tmp_path):
     _, losses = train(model, training_args(tmp_path / "mt", **args), dataset=_Documents(), data_collator=flatten,
                       callbacks=[MegaTrainPlugin(sequence_tile_tokens=7)])
     assert packed and all(shape[0] == 1 for shape in packed)  # really one packed row per micro-batch
+    assert layer_calls  # the layers tiled whole
     assert_close_losses(ref_losses, losses, ATOL_FP32)
     assert_close_params(state_of(ref), state_of(model), ATOL_FP32)
 
@@ -228,8 +295,13 @@ def test_plan_arithmetic_at_512k_tokens():
     assert plan.gpu_logits == (2**26 // 152064) * 152064 * 14 < 2**30  # one chunk: 441 tokens
     assert plan.sequence_tile_tokens == 4096
     untiled = plan_memory(shape, seq_len=seq, micro_batch=1, sequence_tile_tokens=None)
-    mlp = seq * 4 * 2 * shape.intermediate
-    assert untiled.gpu_layer_working_set - plan.gpu_layer_working_set == mlp - 4096 * 6 * 2 * shape.intermediate
+    h, q, kv, c = shape.hidden, shape.q_dim, shape.kv_dim, 2
+    assert untiled.gpu_layer_working_set == seq * (c * (2 * h + 2 * q + 2 * kv) + 24 * h + 4 * c * shape.intermediate)
+    # tiled whole: q, k, v, attention output (+ copy), their grads, fp32 dq, fp32 out / grad out / grad in; one tile
+    full = seq * (c * (5 * q + 4 * kv) + 4 * q + 12 * h)
+    tile = 4096 * (6 * c * shape.intermediate + c * (2 * h + 3 * q + 3 * kv) + 24 * h)
+    assert plan.gpu_layer_working_set == full + tile
+    assert plan.gpu_layer_working_set < untiled.gpu_layer_working_set / 2
     every4 = plan_memory(shape, seq_len=seq, micro_batch=1, checkpoint_interval=4)
     assert every4.gpu_checkpoints == (8 + 1) * seq * shape.hidden * 4  # ceil(29 / 4) of layers + norm, the head
     assert every4.gpu_recomputed_inputs == 3 * seq * shape.hidden * 4
@@ -250,3 +322,20 @@ def test_estimate_shows_long_context(capsys):
     assert "one layer's recompute, MLP in 128 tiles of 4096 tokens" in out
     assert "logits chunk (523 tokens x vocab 128256)" in out
     assert "longest sequence that fits a 139.00 GiB GPU and 125.00 GiB host RAM:" in out
+
+
+def test_eager_attention_is_refused_at_long_context():
+    """A 16K-token training sequence with HF's eager attention (scores materialised) is refused with
+    the fix, before any layer computes; shorter ones and SDPA pass the rule."""
+    from megatrain_hf import attach
+    from megatrain_hf.errors import AttentionKernelError
+
+    model = tiny_model("llama", attn_implementation="eager", max_position_embeddings=32768)
+    engine = attach(model, device="cpu")
+    short = torch.randint(0, 128, (1, 32))
+    model(input_ids=short, labels=short).loss.backward()
+    long = torch.randint(0, 128, (1, 16384))
+    with pytest.raises(AttentionKernelError, match="attn_implementation='eager'.*Fix: .*'sdpa'"):
+        model(input_ids=long, labels=long)
+    engine.plan.check(seq_len=16384, attention="sdpa")  # the flash-capable kernel passes
+    engine.detach()

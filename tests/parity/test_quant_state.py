@@ -3,7 +3,8 @@ checkpoints and refusals (CPU, fp32).
 
 The reference is plain torch written here: each parameter's moments kept as unpacked codes and
 per-block absmax scales (or bf16 tensors), expanded, stepped by torch's fused AdamW kernel,
-quantized again to the nearest map value (ties up). Through Trainer, every loss and every final
+quantized again to the nearest map value (ties up; a positive v at least the lowest non-zero value, the
+m of an element without a gradient toward zero). Through Trainer, every loss and every final
 parameter must agree within 1e-6 with plain Trainer driving that reference, for both host kernels.
 """
 
@@ -38,7 +39,7 @@ class ReferenceCompressedAdamW(torch.optim.Optimizer):
         codes, scales = st[k]
         return self.fmt.table(k)[codes] * scales.repeat_interleave(self.fmt.block)[:n]
 
-    def _store(self, st, k, x):
+    def _store(self, st, k, x, grad=None):
         if not self.fmt.quantized:
             st[k] = x.to(torch.bfloat16)
             return
@@ -49,7 +50,13 @@ class ReferenceCompressedAdamW(torch.optim.Optimizer):
         normed = torch.where(per > 0, x / per.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(x))
         q = self.fmt.table(k)
         mids = (q[:-1] + q[1:]) / 2
-        st[k] = ((normed.unsqueeze(1) >= mids).sum(dim=1), scales)  # nearest map value, ties up
+        codes = (normed.unsqueeze(1) >= mids).sum(dim=1)  # nearest map value, ties up
+        if k == 1 and q[0] == 0:  # a positive v never takes the value 0: its lowest non-zero one instead
+            codes = torch.where((x > 0) & (codes == 0), 1, codes)
+        if grad is not None:  # an m element without a gradient: the nearest value not larger in magnitude
+            back = (q[codes].abs() > normed.abs()) & (grad == 0)
+            codes = torch.where(back, codes - torch.sign(q[codes]).long(), codes)
+        st[k] = (codes, scales)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -69,7 +76,7 @@ class ReferenceCompressedAdamW(torch.optim.Optimizer):
                                     beta1=group["betas"][0], beta2=group["betas"][1],
                                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
                                     grad_scale=None, found_inf=None)
-                self._store(st, 0, m.reshape(-1))
+                self._store(st, 0, m.reshape(-1), p.grad.reshape(-1))
                 self._store(st, 1, v.reshape(-1))
 
 

@@ -157,14 +157,15 @@ def test_engine_metrics_reach_the_reporters_at_their_level(tmp_path, level):
     trainer, _ = train(model, training_args(tmp_path / "mt"), callbacks=[MegaTrainPlugin(metrics=level), recorder])
     logs = [h for h in recorder.logs if "loss" in h]
     keys = {k for h in logs for k in h if k.startswith("megatrain/")}
-    basic = {"megatrain/tokens_per_s", "megatrain/tflops", "megatrain/optimizer_wait_frac", "megatrain/host_rss_GiB"}
+    basic = {"megatrain/tokens_per_s", "megatrain/tflops", "megatrain/tflops_causal", "megatrain/optimizer_wait_frac",
+             "megatrain/host_rss_GiB"}
     assert not any(k.startswith("megatrain/") for h in trainer.state.log_history for k in h)
     assert not any("gpu" in k or "link" in k or "h2d" in k for k in keys)  # a CPU run
     if level == "none":
         assert not keys
         return
     assert basic <= keys and (keys == basic) == (level == "basic")
-    assert logs[-1]["megatrain/tflops"] > 0
+    assert logs[-1]["megatrain/tflops"] > logs[-1]["megatrain/tflops_causal"] > 0
     if level == "basic":
         return
     assert logs[-1]["megatrain/tokens"] == 2 * 2 * 16  # 2 micro-batches x 2 sequences x 16 tokens

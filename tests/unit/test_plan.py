@@ -17,7 +17,8 @@ import torch
 from megatrain_hf import MegaTrainConfig
 from megatrain_hf.core.layout import TensorSpec, lay_out
 from megatrain_hf.memory.host_tiers import host_tiers
-from megatrain_hf.errors import DiskSpaceError, HostMemoryError, IncompatibleOptionsError, MegatrainError
+from megatrain_hf.errors import (AttentionKernelError, DiskSpaceError, HostMemoryError, IncompatibleOptionsError,
+                                  MegatrainError)
 from megatrain_hf.memory.host import DEFAULT_HEADROOM_BYTES
 from megatrain_hf.plan import ADJUSTMENTS, RULES, Machine, OptimizerChoice, Run, check, resolve
 
@@ -49,8 +50,15 @@ ROWS = [
     # ------------------------------------------------------------------ refused
     ("cuda without CUDA", {}, dict(device=CUDA, cuda=False), {},
      ("refused", IncompatibleOptionsError, r"device cuda:0 was asked for but CUDA is not available")),
+    ("eager attention at long context", {}, {}, dict(seq_len=16384, attention="eager"),
+     ("refused", AttentionKernelError, r"16384 tokens with attn_implementation='eager'.*materialises the scores.*"
+                                       r"Fix: load the model with attn_implementation='sdpa'")),
     ("data_parallel=True on one rank", dict(data_parallel=True), {}, {},
      ("refused", IncompatibleOptionsError, r"data_parallel=True but torch.distributed .*Fix: launch with torchrun")),
+    ("disk checkpoints without offload_dir", dict(offload_checkpoints="disk"), {}, {},
+     ("refused", IncompatibleOptionsError, r"offload_checkpoints='disk'.*offload_dir is not set\. Fix: offload_dir=")),
+    ("bf16 checkpoints with fp32 compute", dict(checkpoint_dtype="bf16"), {}, dict(bf16=False),
+     ("refused", IncompatibleOptionsError, r"checkpoint_dtype='bf16'.*compute is fp32.*Fix: bf16 compute")),
     ("offload_dir with device_update", dict(offload_dir="DIR", device_update=True), {}, {},
      ("refused", IncompatibleOptionsError, r"offload_dir=.* does not combine with device_update=True.*Fix")),
     ("grad bf16 with fp32 compute", dict(grad_dtype="bf16"), {}, dict(bf16=False),
@@ -73,6 +81,8 @@ ROWS = [
      ("refused", IncompatibleOptionsError, r"device_update=True is not supported under data parallelism.*Fix")),
     ("compressed moments with device_update", dict(optimizer_state="8bit", device_update=True), {}, {},
      ("refused", IncompatibleOptionsError, r"optimizer_state='8bit' cannot be combined with device_update")),
+    ("compile with a CUDA-graph mode", dict(compile=True, compile_mode="reduce-overhead"), {}, {},
+     ("refused", IncompatibleOptionsError, r"compile_mode='reduce-overhead'.*captures CUDA graphs.*Fix: compile_mode=None")),
     ("HostAdamW options with SGD", dict(optimizer_state="4bit", grad_dtype="bf16"), {},
      dict(bf16=True, optimizer=SGD),
      ("refused", IncompatibleOptionsError, r"optimizer_state='4bit' and grad_dtype='bf16' applies to megatrain's "
@@ -85,10 +95,17 @@ ROWS = [
     ("data parallelism with SGD", {}, dict(world_size=2), dict(optimizer=SGD),
      ("refused", IncompatibleOptionsError, r"data parallelism over 2 ranks needs its HostAdamW .*, but the optimizer "
                                            r"is SGD\. Fix")),
+    ("data parallelism with replace_adamw=False", dict(replace_adamw=False), dict(world_size=2), dict(optimizer=ADAMW),
+     ("refused", IncompatibleOptionsError, r"data parallelism over 2 ranks needs its HostAdamW .*, but "
+                                           r"replace_adamw=False keeps torch's AdamW\. Fix: replace_adamw=True .*"
+                                           r"or data_parallel=False")),
+    ("data parallelism with a kept optimizer", {}, dict(world_size=2), dict(optimizer=KEPT),
+     ("refused", IncompatibleOptionsError, r"needs its HostAdamW .* is kept as it is\. Fix: leave optimizers=\(\.\.\.\) "
+                                           r"out")),
     ("RAM short", dict(host_staging=True), dict(ram_available=ram(spare=-1)), dict(bf16=True),
-     ("refused", HostMemoryError, r"megatrain needs .* GiB of host RAM")),
+     ("refused", HostMemoryError, r"(?s)megatrain needs [\d.]+ MiB of host RAM .*short by +1 B\n")),
     ("disk short", dict(offload_dir="DIR", offload_state="moments"), dict(disk_free=2**20), {},
-     ("refused", DiskSpaceError, r"disk tier needs .* but its filesystem has 0\.00 GiB free")),
+     ("refused", DiskSpaceError, r"disk tier needs [\d.]+ MiB .* but its filesystem has 1\.00 MiB free")),
     # ------------------------------------------------------------------ adjusted
     ("compute auto follows bf16", {}, {}, dict(bf16=True),
      ("adjusts", "compute_dtype auto", lambda p: p.precision.compute == torch.bfloat16)),

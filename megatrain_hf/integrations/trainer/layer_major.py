@@ -9,7 +9,8 @@ to the step's one backward pass), and hands the K results back, one per ``traini
 Whether a step runs layer-major is decided per step, each reason logged once: ``layer_major=False``;
 a distributed accelerator or a gradient scaler; LOMO optimizers (they need the learning rate inside
 backward); and, under ``"auto"``, anything whose result would depend on the order in which the
-micro-batches' Python code runs -- dropout (random masks drawn in another order), tensor hooks on
+micro-batches' Python code runs -- dropout (random masks drawn in another order), module hooks
+(forward, pre-forward, backward, torch's global ones: they may draw random numbers), tensor hooks on
 parameters (they run once per micro-batch's backward), a Trainer subclass whose ``training_step``
 or ``_prepare_inputs`` keeps state across calls (TRL's GRPO and RLOO pick their buffered batch by a
 counter that ``training_step`` advances). Known order-independent overrides are listed in
@@ -25,7 +26,7 @@ from transformers import Trainer
 
 from ...errors import IncompatibleOptionsError
 from ...core.patcher import Patcher
-from ...models.checks import dropout_modules
+from ...models.checks import dropout_modules, hooked_modules
 from ...runtime.layer_major import current
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,10 @@ def _applies(plugin, trainer) -> bool:
                 f"the model has dropout ({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}), whose "
                 "random masks would be drawn in another order than plain Trainer's"
             )
+        modules = hooked_modules([(unit.name, unit.module) for unit in engine.units])
+        if modules:
+            blockers.append(f"modules have hooks ({', '.join(modules[:3])}{', ...' if len(modules) > 3 else ''}), "
+                            "which may draw random numbers in another order than plain Trainer's")
         hooked = engine.grads.hooked_parameters()
         if hooked:
             blockers.append(f"parameters have tensor hooks ({', '.join(hooked[:3])}), which run once per micro-batch")

@@ -26,10 +26,12 @@ from __future__ import annotations
 import logging
 
 import torch
+from accelerate.utils import DynamoBackend
 from transformers import Trainer
 
-from ...errors import TrainingDataError
+from ...errors import IncompatibleOptionsError, TrainingDataError
 from ...core.patcher import Patcher
+from ...engine import engine_of
 from ...optim.host_adamw import HostAdamW, convertible
 from ...plan import OptimizerChoice, Run
 from ...plan import check as check_plan
@@ -52,6 +54,10 @@ def install(patcher: Patcher, plugin, trainer) -> None:
     if plugin.config.chunked_loss == "auto" and type(trainer) is Trainer:
         # plain Trainer reads only the loss of a training forward; subclasses may read logits
         engine.chunked_loss_active = engine.chunked_loss_installed
+    elif engine.chunked_loss_installed and type(trainer).compute_loss is not Trainer.compute_loss:
+        logger.warning("megatrain: chunked_loss=True with %s.compute_loss: training forwards with labels return "
+                       "logits=None (only the loss). If compute_loss reads outputs.logits, set chunked_loss='auto' "
+                       "(HF's loss for Trainer subclasses).", type(trainer).__name__)
 
 
 def _install_optimizer(patcher: Patcher, plugin, trainer) -> None:
@@ -97,7 +103,7 @@ def _install_entry_points(patcher: Patcher, plugin, trainer) -> None:
         def method(*args, **kwargs):
             if check is not None:
                 check()
-            plugin.adopt_trl_fused_head()
+            plugin.check_forwards()
             return original(*args, **kwargs)
 
         patcher.set_attr(trainer, name, method)
@@ -116,6 +122,7 @@ def _install_entry_points(patcher: Patcher, plugin, trainer) -> None:
 
     def check_before_training():
         check_dataset()
+        _check_liger_device(trainer, plugin.engine)
         _check_example_lengths(trainer, plugin.engine)
 
     wrapped("train", check_before_training)
@@ -124,6 +131,15 @@ def _install_entry_points(patcher: Patcher, plugin, trainer) -> None:
 
 
 _SCAN_LIMIT = 200_000  # map-style datasets scanned item by item up to this many examples
+
+
+def _check_liger_device(trainer, engine) -> None:
+    if getattr(trainer.args, "use_liger_kernel", False) and engine is not None and engine.device.type != "cuda":
+        raise IncompatibleOptionsError(
+            f"megatrain: TrainingArguments(use_liger_kernel=True) with the compute on {engine.device}: Liger-Kernel's "
+            "kernels are Triton kernels that launch on CUDA only (Triton would fail with '0 active drivers'). Fix: "
+            "train on a CUDA GPU, or unset use_liger_kernel."
+        )
 
 
 def _check_example_lengths(trainer, engine) -> None:
@@ -198,7 +214,17 @@ def _install_accelerator(patcher: Patcher, plugin, trainer) -> None:
         # streamed like the policy (frozen, in the wire dtype) instead of moved whole to the device
         if evaluation_mode and plugin.attach_reference(model, trainer.args):
             return model
-        return original_prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        dynamo = accelerator.state.dynamo_plugin
+        streamed = engine_of(model) is not None
+        if not streamed or dynamo.backend == DynamoBackend.NO:
+            return original_prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        # torch_compile: the engine compiles its layer templates (compile=True); compiling the whole model
+        # would trace the streamed calls
+        saved, dynamo.backend = dynamo.backend, DynamoBackend.NO
+        try:
+            return original_prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        finally:
+            dynamo.backend = saved
 
     def prepare_optimizer(optimizer, device_placement=None):
         # HostAdamW's state lives in the host store: with device placement, accelerate would copy the

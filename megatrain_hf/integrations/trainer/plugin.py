@@ -24,6 +24,7 @@ import inspect
 import logging
 import sys
 import weakref
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -94,11 +95,13 @@ class MegaTrainPlugin(TrainerCallback):
                 "TrainingArguments(bf16_full_eval/fp16_full_eval=True) would cast the host-resident fp32 "
                 "masters in place. Unset it: with bf16=True megatrain already evaluates with bf16 weights."
             )
-        if getattr(args, "torch_compile", False):
-            raise IncompatibleOptionsError(
-                "TrainingArguments(torch_compile=True) compiles the whole model, which megatrain streams "
-                "layer by layer. Unset torch_compile."
-            )
+        if getattr(args, "torch_compile", False) and not self.config.compile:
+            # regional compilation of the streamed layers instead of the whole model (runtime/compiled.py)
+            self.config = replace(self.config, compile=True,
+                                  compile_backend=getattr(args, "torch_compile_backend", None) or "inductor",
+                                  compile_mode=getattr(args, "torch_compile_mode", None))
+        if getattr(args, "use_liger_kernel", False):
+            _liger_without_fused_head(args)
         check(self.config, run=Run(bf16=bool(args.bf16), grad_accum=args.gradient_accumulation_steps))
         if getattr(args, "n_gpu", 1) > 1:
             logger.info("megatrain drives one GPU per process; not using DataParallel over %d GPUs", args.n_gpu)
@@ -207,6 +210,14 @@ class MegaTrainPlugin(TrainerCallback):
             float(norm), trainer.state.global_step + 1, self.skipped_steps,
         )
 
+    def check_forwards(self) -> None:
+        """At each entry point: no forward of the model reads a streamed weight outside the units."""
+        from ...models.checks import check_liger_head
+
+        for engine in (self.engine, *self.references):
+            check_liger_head(engine.model)
+        self.adopt_trl_fused_head()
+
     def adopt_trl_fused_head(self) -> None:
         """Serve TRL's fused LM head (if the model has one) through the engine's head unit; then refuse any
         other forward of the model that holds a streamed module or parameter (``trl.check_model_forward``)."""
@@ -254,6 +265,20 @@ class MegaTrainPlugin(TrainerCallback):
         engine = self.engine
         if engine is not None:
             engine.synchronize()  # the last update may still run in the background
+
+
+def _liger_without_fused_head(args) -> None:
+    """``use_liger_kernel=True``: Liger's RMSNorm, SwiGLU and rotary kernels run inside the streamed layers (Trainer
+    patches the model's modules when it trains; the templates mirror them, ``core/template.py``); its fused linear
+    cross-entropy, which would read ``lm_head.weight`` from host RAM, is left out: megatrain's chunked loss computes
+    the same loss inside the streamed head unit (``chunked_loss``)."""
+    config = dict(args.liger_kernel_config or {})
+    if config.get("fused_linear_cross_entropy") is not False:
+        config["fused_linear_cross_entropy"] = False
+        args.liger_kernel_config = config
+        logger.info("megatrain: use_liger_kernel=True: Liger's RMSNorm, SwiGLU and rotary kernels run in the streamed "
+                    "layers; its fused linear cross-entropy is replaced by megatrain's chunked loss in the head unit "
+                    "(liger_kernel_config['fused_linear_cross_entropy'] = False)")
 
 
 def announce(engine: Engine, trainer) -> None:

@@ -167,11 +167,16 @@ inline float bf16_to_float(uint16_t b) { return from_bits(static_cast<uint32_t>(
 
 constexpr int64_t kMaxBlock = 4096;
 
-// One block of moment values (new, in place: x) into codes and its scale: absmax, x / absmax, codes.
-// The absmax skips NaNs and is exact in any order (max of a set), so it runs in lanes. With AVX-512
-// the whole vectors are done by encode_avx512 and the loops below finish the tail from j0.
-void encode_block(const CodeTable& t, int bits, float* __restrict x, int64_t nb, uint8_t* __restrict c, float& scale) {
+// One block of moment values x into codes and its scale: absmax, x / absmax, codes (encode_code:
+// the nearest map value's, at least t.floor for x > 0). The absmax skips NaNs and is exact in any
+// order (max of a set), so it runs in lanes. With AVX-512 the whole vectors are done by
+// encode_avx512 and the loops below finish the tail from j0. `g` (m only, else null): the block's
+// gradients as the update used them (times `gs`); an element whose gradient is 0 takes the code of
+// toward_zero instead, so that the m of a row absent from the batch shrinks every step.
+void encode_block(const CodeTable& t, int bits, const float* __restrict x, int64_t nb, uint8_t* __restrict c,
+                  float& scale, const float* __restrict g, float gs) {
   int64_t j = 0, j0 = 0;
+  float xn[kMaxBlock];
 #if MEGATRAIN_AVX512
   const float a = absmax_avx512(x, nb);
   j0 = encode_avx512(t, bits, x, nb, a, c);
@@ -185,16 +190,35 @@ void encode_block(const CodeTable& t, int bits, float* __restrict x, int64_t nb,
 #endif
   scale = a;
   if (a > 0.0f) {
-    for (j = j0; j < nb; ++j) x[j] = x[j] / a;
+    for (j = j0; j < nb; ++j) xn[j] = x[j] / a;
   } else {
-    for (j = j0; j < nb; ++j) x[j] = 0.0f;
+    for (j = j0; j < nb; ++j) xn[j] = 0.0f;
   }
   if (bits == 8) {
-    for (j = j0; j < nb; ++j) c[j] = static_cast<uint8_t>(find_code(t, x[j]));
-    return;
+    for (j = j0; j < nb; ++j) c[j] = static_cast<uint8_t>(encode_code(t, x[j], xn[j]));
+  } else {
+    for (j = j0; j + 1 < nb; j += 2)
+      c[j >> 1] = static_cast<uint8_t>(encode_code(t, x[j], xn[j]) | (encode_code(t, x[j + 1], xn[j + 1]) << 4));
+    if (j < nb) c[j >> 1] = static_cast<uint8_t>(encode_code(t, x[j], xn[j]));  // an odd tail: the high nibble stays 0
   }
-  for (j = j0; j + 1 < nb; j += 2) c[j >> 1] = static_cast<uint8_t>(find_code(t, x[j]) | (find_code(t, x[j + 1]) << 4));
-  if (j < nb) c[j >> 1] = static_cast<uint8_t>(find_code(t, x[j]));  // an odd tail: the high nibble stays 0
+  if (g == nullptr) return;
+  for (j = 0; j < nb; ++j) {
+#if MEGATRAIN_AVX512
+    if ((j & 15) == 0 && j + 16 <= nb && !any_zero_avx512(g + j, gs)) {
+      j += 15;  // no element without a gradient among these 16
+      continue;
+    }
+#endif
+    if (g[j] * gs != 0.0f) continue;
+    const float normed = a > 0.0f ? x[j] / a : 0.0f;
+    if (bits == 8) {
+      c[j] = static_cast<uint8_t>(toward_zero(t, c[j], normed));
+    } else {
+      const int shift = (j & 1) * 4;
+      const int code = toward_zero(t, (c[j >> 1] >> shift) & 0x0F, normed);
+      c[j >> 1] = static_cast<uint8_t>((c[j >> 1] & ~(0x0F << shift)) | (code << shift));
+    }
+  }
 }
 
 // Elements [0, nb) of the block: decoded moments in m / v (in place: the new ones), AdamW over
@@ -272,8 +296,8 @@ void update_compressed(const QTensor& q, const Format& f, const CodeTable* table
       adamw_block<false>(h, t.grad + b0, scale, t.param + b0, nm, nv, nullptr, nb);
     }
     const int64_t at = f.bits == 8 ? b0 : b0 >> 1;
-    encode_block(tables[0], f.bits, nm, nb, cm + at, q.scales[0][blk]);
-    encode_block(tables[1], f.bits, nv, nb, cv + at, q.scales[1][blk]);
+    encode_block(tables[0], f.bits, nm, nb, cm + at, q.scales[0][blk], t.grad + b0, scale);
+    encode_block(tables[1], f.bits, nv, nb, cv + at, q.scales[1][blk], nullptr, 0.0f);
   }
 }
 
@@ -386,7 +410,8 @@ int megatrain_adamw_compressed(int64_t n, float** params, const float** grads, c
   }
   const float scale = maximize ? clip * -1.0f : clip;
   std::vector<CodeTable> tables(bits == 16 ? 0 : 2);
-  for (size_t k = 0; k < tables.size(); ++k) build_table(f.mid[k], f.n_codes, tables[k]);
+  for (size_t k = 0; k < tables.size(); ++k)  // v's floor: 1 where its map's code 0 is the value 0
+    build_table(f.map[k], f.mid[k], f.n_codes, k == 1 && f.map[1][0] == 0.0f ? 1 : 0, tables[k]);
   return run_parallel(static_cast<int64_t>(items.size()), threads, [&](int64_t c) {
     thread_local std::vector<float> scratch;
     const Item& it = items[c];

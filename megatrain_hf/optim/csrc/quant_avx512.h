@@ -119,10 +119,23 @@ inline __m512i codes4_avx512(__m512 mid, __m512 x) {
   return code;
 }
 
+// encode_code's floor on 16 codes: at least t.floor where x > 0 (v's 8-bit map: code 0 is 0).
+inline __m512i floored_avx512(const CodeTable& t, __m512i code, const float* x) {
+  if (t.floor == 0) return code;
+  const __mmask16 positive = _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_setzero_ps(), _CMP_GT_OQ);
+  return _mm512_mask_max_epi32(code, positive, code, _mm512_set1_epi32(t.floor));
+}
+
+// Whether any of g[0, 16) * gs is 0 (an element without a gradient: encode_block's toward-zero rule).
+inline bool any_zero_avx512(const float* g, float gs) {
+  const __m512 scaled = _mm512_mul_ps(_mm512_loadu_ps(g), _mm512_set1_ps(gs));
+  return _mm512_cmp_ps_mask(scaled, _mm512_setzero_ps(), _CMP_EQ_OQ) != 0;
+}
+
 // The codes of x[0, nb) / a into c (whole vectors only; returns the count done; x is left as it
-// is). 8-bit: 64, then 16 per step; 4-bit: 32 per step, packed two to a byte, element 2i in the low
-// nibble.
-inline int64_t encode_avx512(const CodeTable& t, int bits, float* __restrict x, int64_t nb, float a,
+// is), as encode_code: nearest, floored. 8-bit: 64, then 16 per step; 4-bit: 32 per step, packed two
+// to a byte, element 2i in the low nibble.
+inline int64_t encode_avx512(const CodeTable& t, int bits, const float* __restrict x, int64_t nb, float a,
                              uint8_t* __restrict c) {
   int64_t j = 0;
   if (bits == 8) {
@@ -132,20 +145,22 @@ inline int64_t encode_avx512(const CodeTable& t, int bits, float* __restrict x, 
       for (int v = 0; v < 4; ++v) q[v] = normed_avx512(x + j + 16 * v, a);
       codes8_avx512<4>(t.levels, q, code);
       for (int v = 0; v < 4; ++v)
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + j + 16 * v), _mm512_cvtepi32_epi8(code[v]));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(c + j + 16 * v),
+                         _mm512_cvtepi32_epi8(floored_avx512(t, code[v], x + j + 16 * v)));
     }
     for (; j + 16 <= nb; j += 16) {
       q[0] = normed_avx512(x + j, a);
       codes8_avx512<1>(t.levels, q, code);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + j), _mm512_cvtepi32_epi8(code[0]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(c + j), _mm512_cvtepi32_epi8(floored_avx512(t, code[0], x + j)));
     }
     return j;
   }
   const __m512 mid = _mm512_loadu_ps(t.mid);
   const __m128i low = _mm_set1_epi16(0x0F), high = _mm_set1_epi16(0xF0);
   for (; j + 32 <= nb; j += 32) {
-    const __m128i b0 = _mm512_cvtepi32_epi8(codes4_avx512(mid, normed_avx512(x + j, a)));
-    const __m128i b1 = _mm512_cvtepi32_epi8(codes4_avx512(mid, normed_avx512(x + j + 16, a)));
+    const __m128i b0 = _mm512_cvtepi32_epi8(floored_avx512(t, codes4_avx512(mid, normed_avx512(x + j, a)), x + j));
+    const __m128i b1 =
+        _mm512_cvtepi32_epi8(floored_avx512(t, codes4_avx512(mid, normed_avx512(x + j + 16, a)), x + j + 16));
     // 16-bit word i of b0 holds codes 2i and 2i + 1 in its two bytes: fold them into one byte
     const __m128i w0 = _mm_or_si128(_mm_and_si128(b0, low), _mm_and_si128(_mm_srli_epi16(b0, 4), high));
     const __m128i w1 = _mm_or_si128(_mm_and_si128(b1, low), _mm_and_si128(_mm_srli_epi16(b1, 4), high));

@@ -15,9 +15,13 @@
 // levels: the 8-bit map's midpoints as the vector path's binary search reads them (quant_avx512.h):
 // step s = 128, 64, ..., 1 tests mid[c + s - 1] for c a multiple of 2s, candidate i = c / 2s at
 // levels[16 * kLevel[s] + i] (16 floats per register; 1, 1, 1, 1, 1, 2, 4, 8 registers by step).
+// floor: the lowest code a positive value takes (1 for v's 8-bit map, whose code 0 is the value 0:
+// a positive v never expands to 0; else 0). map: the values, for the toward-zero rounding of m.
 struct CodeTable {
   uint8_t start[1 << 16];
   float mid[256];
+  float map[256];
+  int floor;
   alignas(64) float levels[19 * 16];
 };
 
@@ -31,8 +35,10 @@ void build_levels(const float* mid, CodeTable& t) {
   }
 }
 
-void build_table(const float* mid, int n_codes, CodeTable& t) {
+void build_table(const float* map, const float* mid, int n_codes, int floor, CodeTable& t) {
   std::memset(t.start, 0, sizeof t.start);
+  for (int i = 0; i < n_codes; ++i) t.map[i] = map[i];
+  t.floor = floor;
   for (int i = 0; i + 1 < n_codes; ++i) t.mid[i] = mid[i];
   t.mid[n_codes - 1] = std::nanf("");
   if (n_codes == 256) build_levels(mid, t);
@@ -57,4 +63,19 @@ inline int find_code(const CodeTable& t, float x) {
   code += t.mid[code] <= x;
   while (t.mid[code] <= x) ++code;
   return code;
+}
+
+// The code of value x (normed: x / absmax, or 0) by the encode rules: the nearest map value's, at
+// least t.floor where x > 0.
+inline int encode_code(const CodeTable& t, float x, float normed) {
+  const int code = find_code(t, normed);
+  return (code < t.floor && x > 0.0f) ? t.floor : code;
+}
+
+// m of an element without a gradient: the nearest map value not larger in magnitude than normed
+// (the nearest one, or one code back toward zero; map values are sorted, 0 among them).
+inline int toward_zero(const CodeTable& t, int code, float normed) {
+  const float value = t.map[code];
+  if (!(std::fabs(value) > std::fabs(normed))) return code;
+  return value > 0.0f ? code - 1 : code + 1;
 }

@@ -75,7 +75,7 @@ def test_plain_ran_and_measured(bench):
     _, _, report = bench
     plain = report["results"]["plain"]
     assert plain["status"] == "ok", plain.get("reason")
-    assert plain["tokens_per_s"] > 0 and plain["tflops"] > 0
+    assert plain["tokens_per_s"] > 0 and plain["tflops"] > plain["tflops_causal"] > 0
     assert plain["measured_steps"] == 2 and len(plain["steps"]) == 3  # warmup step kept raw, not measured
     assert plain["step_times_s"] == [s["total_s"] for s in plain["steps"][1:]]
     assert plain["warmup_step_times_s"] == [plain["steps"][0]["total_s"]]
@@ -197,6 +197,13 @@ def test_flops_formula_llama_7b_by_hand():
     assert model_flops_per_token(gqa, 4096) - 6 * non_embedding_params(gqa) == 6_442_450_944
     with pytest.raises(MegatrainConfigError):
         model_flops_per_token(shape, 0)
+    # "palm_causal": the attention term halved (a causal kernel computes the lower triangle)
+    assert model_flops_per_token(shape, 4096, convention="palm_causal") == 39_644_061_696 + 6_442_450_944 // 2
+    # 512K tokens: attention is 91% of the causal count (docs/long-context.md)
+    at_512k = model_flops_per_token(shape, 524288, convention="palm_causal")
+    assert round(1 - 6 * non_embedding_params(shape) / at_512k, 2) == 0.91
+    with pytest.raises(MegatrainConfigError, match="convention"):
+        model_flops_per_token(shape, 4096, convention="halved")
 
 
 def test_presets_sizes():

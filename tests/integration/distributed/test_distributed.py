@@ -177,3 +177,37 @@ def test_the_gpu_transfer_pipeline_emulated_on_three_ranks_matches_plain_pytorch
     assert pa.keys() == pb.keys()
     for k in pa:
         torch.testing.assert_close(pb[k], pa[k], atol=1e-5, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_a_model_call_on_one_rank_alone_is_answered_with_the_cause_and_fix(tmp_path):
+    """Issue 33, item 4: generate / a no-grad forward / an evaluation forward on rank 0 alone raise
+    LoneRankCallError after the short wait (not collective_timeout_s's broadcast, not blaming another
+    rank), state_dict() refuses at once, a call whose kind differs between ranks raises at once on
+    both; generate on every rank equals the plain model's."""
+    from tests.helpers import RandomTokens, tiny_model
+
+    out = tmp_path / "lone.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_port()), str(REPO_ROOT / "tests" / "tools" / "dp_lone_call.py"), "--out", str(out)]
+    _ok(subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=150))
+    ranks = [json.load(open(f"{out}.{r}")) for r in range(2)]
+    plain = tiny_model("llama", attention_dropout=0.0)
+    expected = plain.generate(RandomTokens(n=1).ids[:, :6], max_new_tokens=5, do_sample=False,
+                              pad_token_id=0)[0].tolist()
+    for found in ranks:
+        assert found["all_generate"]["result"] == expected == found["all_generate_after"]["result"], found
+    lone = ranks[0]
+    for name in ("generate", "no_grad_forward", "evaluation"):
+        assert lone[name].get("type") == "LoneRankCallError", (name, lone[name])
+        message = lone[name]["message"]
+        assert "rank(s) [1] did not make a model call within 5 s" in message, message
+        assert "Fix: make the call on every rank" in message and "gather_state_dict" in message, message
+        assert "failed" not in message, message  # no "weight broadcast ... failed", no blame
+        assert lone[name]["seconds"] < 15, lone[name]
+    assert lone["state_dict"].get("type") == "UsageError" and lone["state_dict"]["seconds"] < 2, lone["state_dict"]
+    assert "gather_state_dict" in lone["state_dict"]["message"]
+    for found in ranks:
+        mismatch = found["mismatch"]
+        assert mismatch.get("type") == "LoneRankCallError" and mismatch["seconds"] < 3, mismatch
+        assert "rank 0: a model call without gradients" in mismatch["message"], mismatch
+        assert "rank 1: a training forward" in mismatch["message"], mismatch

@@ -4,6 +4,7 @@ shape, the MemoryError path and the `megatrain estimate` CLI. CPU only, no netwo
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -383,3 +384,18 @@ def test_offloaded_checkpoints_move_from_the_gpu_plan_to_the_host_plan():
     # depth: the offloaded GPU plan does not grow with the layers
     deep = plan_memory(shape.with_layers(64), seq_len=4096, micro_batch=2, grad_accum=4, offload_checkpoints=True)
     assert deep.gpu_total == off.gpu_total
+
+
+def test_the_host_memory_refusal_shows_small_sizes_in_their_unit():
+    """A small model's plan: every tier in KiB / MiB (not "0.00 GiB"), the shortfall too, and the option
+    that skips the check named in the fix."""
+    from megatrain_hf.memory.host import check_host_memory
+
+    with pytest.raises(HostMemoryError) as err:
+        check_host_memory(5 * 2**20 + 3 * 2**10, {"master": 5 * 2**20, "grad": 3 * 2**10}, available=2**20,
+                          headroom_bytes=512)
+    message = str(err.value)
+    assert "0.00 GiB" not in message
+    assert "megatrain needs 5.00 MiB of host RAM (+ 512 B headroom) but only 1.00 MiB is available" in message
+    assert re.search(r"short by +4\.00 MiB", message) and re.search(r"3\.00 KiB", message)
+    assert "check_host_memory=False" in message

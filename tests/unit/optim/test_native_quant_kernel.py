@@ -4,7 +4,8 @@ The reference does the kernel's arithmetic op for op in fp32 torch: expand the c
 the AdamW element of csrc/host_adamw.cpp (its two fused multiply-adds computed exactly: the product
 in float64, the sum corrected for double rounding; the square root in float64, which rounds to
 the correctly rounded fp32 one), then quant.compress (absmax per block, x /
-absmax, bucketize on the midpoints: the count of midpoints <= x). Codes, scales, parameters and the
+absmax, bucketize on the midpoints: the count of midpoints <= x; a positive v floored to the lowest
+non-zero level; the m of an element without a gradient rounded toward zero). Codes, scales, parameters and the
 bf16 staging copy must be equal as bits, over several steps, on data with zeros, all-zero blocks,
 values exactly on a midpoint and one float either side, denormals, huge and tiny magnitudes,
 partial blocks, odd lengths (4-bit: a half-filled last byte), bf16 gradients and tensors spanning
@@ -81,8 +82,8 @@ def reference_step(fmt, p, g, codes, scales, hyper, clip):
     root = torch.sqrt(vi.double()).float()  # correctly rounded (torch's fp32 sqrt may use an 0.5001-ulp one)
     denom = root / f32(hyper["bc2_sqrt"]) + f32(hyper["eps"])
     p.copy_(param + (f32(hyper["neg_step_size"]) * mi) / denom)
-    compress(fmt, 0, mi, codes[0], scales[0])
-    compress(fmt, 1, vi, codes[1], scales[1])
+    compress(fmt, 0, mi, codes[0], scales[0], toward_zero=gs == 0)  # no gradient: m rounds toward zero
+    compress(fmt, 1, vi, codes[1], scales[1])  # (a positive v at least the map's lowest non-zero value)
     return p.to(torch.bfloat16)
 
 
@@ -164,7 +165,8 @@ def test_random_steps(mode, grad_dtype, lib_name="simd"):
     chunks (the bf16 gradient path updates a view that starts inside the codes). The default build
     only: the scalar one matches it bit for bit (test_vector_matches_scalar_bitwise)."""
     def grad(fmt, n, gen):
-        return torch.randn(n, generator=gen) * 10.0 ** torch.randint(-8, 2, (n,), generator=gen).float()
+        g = torch.randn(n, generator=gen) * 10.0 ** torch.randint(-8, 2, (n,), generator=gen).float()
+        return torch.where(torch.rand(n, generator=gen) < 0.2, 0.0, g)  # elements without a gradient
 
     run_both(mode, SIZES + [(1 << 18) + 3 * 128 + 1], hyper_of(0.9, 0.95, step=3), 3, 0.37, grad_dtype, grad,
              lib_name=lib_name)
