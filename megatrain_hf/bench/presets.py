@@ -19,7 +19,7 @@ from ..memory import ModelShape
 # One source of model shapes for the planner and the benchmark: memory.PRESETS. The benchmark
 # trains every shape as an untied Llama (LlamaConfig), which is what those presets describe,
 # except qwen2.5-14b (q/k/v biases) -- the benchmark rejects presets it cannot build faithfully.
-BENCH_PRESETS = ("tiny", "llama-1.36b", "llama-3.14b", "llama-7b", "llama-13b", "llama-70b", "llama-3-70b",
+BENCH_PRESETS = ("tiny", "llama-1.36b", "llama-3.14b", "llama-7b", "llama3-8b", "llama-13b", "llama-70b", "llama-3-70b",
                  "mistral-large-123b")
 PRESETS: dict[str, ModelShape] = {name: MEMORY_PRESETS[name] for name in BENCH_PRESETS}
 
