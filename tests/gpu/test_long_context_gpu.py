@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from test_cuda_parity import BF16_LOSS_ATOL, BF16_UPDATE_RTOL, _report, assert_close_updates  # noqa: E402
+from tests.gpu.test_cuda_parity import BF16_LOSS_ATOL, BF16_UPDATE_RTOL, _report, assert_close_updates  # noqa: E402
 
 SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=1024, max_position_embeddings=2048, attention_dropout=0.0)
