@@ -205,6 +205,9 @@ class Engine:
         patcher = self.patcher
         for unit in self.units:
             patcher.set_attr(unit.module, "forward", functools.partial(_unit_forward, weakref.ref(self), unit.index))
+        engine_ref = weakref.ref(self)
+        patcher.hook(model, model.register_forward_pre_hook(
+            lambda *args: (engine := engine_ref()) is not None and engine.adopt_unit_forwards()))
         install_model(patcher, model, [u.module for u in self.units], self.device, self.synchronize,
                       self.store.mark_dirty, self._check_state_readable if self.store.remote else None,
                       frozenset(id(e.tensor) for u in self.store.remote for e in self.store.owned_trainable(u)))
@@ -218,6 +221,20 @@ class Engine:
         _STEPPED_ENGINES.add(self)
         patcher.on_undo(lambda: _STEPPED_ENGINES.discard(self))
         patcher.set_attr(model, "_megatrain_engine", self)
+
+    def adopt_unit_forwards(self) -> None:
+        """A unit's ``forward`` replaced after attach becomes that unit's own forward, run on its template with
+        the streamed weights, and the streamed forward is put back. Liger-Kernel's ``use_liger_kernel=True``
+        patches the final norm's instance ``forward`` inside ``Trainer.train()``, after attach: without this
+        the norm ran on its host master, outside the engine. Checked at every top-level forward of the model."""
+        for unit in self.units:
+            current = vars(unit.module).get("forward")
+            if isinstance(current, functools.partial) and current.func is _unit_forward:
+                continue
+            unit.template.adopt_root_forward(unit.mirror, current)
+            unit.module.__dict__["forward"] = functools.partial(_unit_forward, weakref.ref(self), unit.index)
+            logger.info("megatrain: %s's forward was replaced after attach (%s): it runs on the streamed weights",
+                        unit.name, getattr(current, "__qualname__", type(current).__name__))
 
     def _install_chunked_loss(self, base: nn.Module) -> None:
         """Route training forwards with labels through the chunked head + loss (``models/chunked_loss.py``)."""

@@ -283,6 +283,12 @@ class Template:
             mirror.root_forward = resolve(own, "forward", name, refs)
         return mirror
 
+    @staticmethod
+    def adopt_root_forward(mirror: Mirror, own) -> None:
+        """``own``: the real unit's instance ``forward`` set after attach (None: its class's), rebound like one
+        found at attach."""
+        mirror.root_forward = None if own is None else resolve(own, "forward", mirror.names[0], mirror.refs)
+
     def bind(self, tensors: dict[str, torch.Tensor], mirror: Mirror, hooks: HookRecord | None = None,
              recompute: bool = False, without_hooks: bool = False) -> nn.Module:
         """Point every slot at ``tensors[name]`` and mirror the real unit's state; returns the module.

@@ -74,3 +74,34 @@ def test_attribute_removed_after_attach_is_not_mirrored():
     del norm.extra_scale
     model(input_ids=ids, labels=ids)
     assert not hasattr(template_norm, "extra_scale")
+
+
+def _patch_final_norm(model) -> None:
+    """As Liger patches ``model.norm``: a unit's root (the final norm is a unit of its own), after attach."""
+    norm = model.model.norm
+    norm.offset, norm.casting_mode = 0.5, "llama"
+    norm.__dict__["forward"] = types.MethodType(_offset_rms_forward, norm)
+
+
+def test_unit_root_forward_replaced_after_attach_streams_and_trains_exactly():
+    """Liger replaces the final norm's instance forward after attach; that replaced the engine's streamed forward
+    of the unit, so the norm computed with its host master (on CUDA: a CPU tensor given to a Triton kernel). The
+    replacement is adopted as the unit's own forward on the template, and the streamed forward put back."""
+    ref = tiny_model("llama")
+    _patch(ref)
+    _patch_final_norm(ref)
+    ref_losses = _train(ref)
+
+    model = tiny_model("llama")
+    engine = attach(model, device="cpu")
+    _patch(model)
+    _patch_final_norm(model)
+    losses = _train(model)
+
+    assert losses == ref_losses
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+    norm_unit = next(u for u in engine.units if u.module is model.model.norm)
+    streamed = model.model.norm.__dict__["forward"]
+    assert getattr(streamed, "func", None).__name__ == "_unit_forward"  # the engine's forward is back
+    assert norm_unit.mirror.root_forward.__self__ is norm_unit.template.module  # Liger's, on the template
