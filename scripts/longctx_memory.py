@@ -32,14 +32,13 @@ import time
 
 import torch
 import transformers
-from torch.profiler import ProfilerActivity, profile
 
 from megatrain_hf import MegaTrainConfig, attach
+from megatrain_hf.bench.cpu_memory import streamed_layer_peak
 from megatrain_hf.memory import activations
 
 SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=256)
-LAYER_BACKWARD = "StreamedUnitBackward"
 
 
 def build_model(seq: int, **overrides) -> torch.nn.Module:
@@ -47,30 +46,6 @@ def build_model(seq: int, **overrides) -> torch.nn.Module:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).float()
-
-
-def _windows(prof) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(the memory events as (time, signed bytes) in time order, the StreamedUnitBackward intervals)."""
-    events = list(prof.profiler.kineto_results.events())
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    units = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == LAYER_BACKWARD)
-    return memory, units
-
-
-def peaks(memory: list[tuple[int, int]], units: list[tuple[int, int]]) -> tuple[int, list[int]]:
-    """(the step's peak, per backward window: its peak above the bytes alive when it starts)."""
-    alive, peak, timeline = 0, 0, []
-    for t, n in memory:
-        alive += n
-        peak = max(peak, alive)
-        timeline.append((t, alive))
-    out = []
-    for start, end in units:
-        before = [a for t, a in timeline if t < start]
-        base = before[-1] if before else 0
-        inside = [a for t, a in timeline if start <= t <= end]
-        out.append(max(inside, default=base) - base)
-    return peak, out
 
 
 def measure(seq: int, tile: int | None, **shape) -> dict:
@@ -83,21 +58,14 @@ def measure(seq: int, tile: int | None, **shape) -> dict:
     model.zero_grad()
     tiled_before = engine.stats.tiled_layer_calls
     started = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model(input_ids=ids, labels=ids).loss.backward()
+    step_peak, layer_peak, windows = streamed_layer_peak(lambda: model(input_ids=ids, labels=ids).loss.backward(),
+                                                         cfg.num_hidden_layers, seq, cfg.hidden_size)
     seconds = time.perf_counter() - started
     tiled_calls = engine.stats.tiled_layer_calls - tiled_before
     engine.detach()
-    memory, units = _windows(prof)
-    step_peak, windows = peaks(memory, units)
     h, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
     head_dim = h // heads
     q_dim, kv_dim, inter = heads * head_dim, kv_heads * head_dim, cfg.intermediate_size
-    layers = cfg.num_hidden_layers
-    # backward order: the head's unit, the final norm's, the layers' last to first, the embedding's
-    layer_windows = windows[len(windows) - 1 - layers: len(windows) - 1] if len(windows) >= layers + 2 else windows
-    grad_in = seq * h * 4
-    layer_peak = max(layer_windows) + grad_in
     c = 4  # fp32 compute
     plan = activations.layer_working_set(seq, h, q_dim, kv_dim, inter, c, tile)
     joint = activations.long_context_working_set(seq, h, q_dim, kv_dim, inter, c, tile or seq)
