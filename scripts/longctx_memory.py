@@ -94,17 +94,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
     parser.add_argument("--tile", type=int, default=1024, help="sequence_tile_tokens (0: untiled)")
+    parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"],
+                        help="decoder layers (the layer peak is per layer; fewer: a shorter step)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--md", default=None, help="also write the markdown table to this file")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
     for seq in args.seq_lens:
-        rows.append(measure(seq, args.tile or None))
+        rows.append(measure(seq, args.tile or None, num_hidden_layers=args.layers))
         print(json.dumps(rows[-1]), flush=True)
         if args.json:  # after every length: a run stopped by a timeout keeps what it measured
             with open(args.json, "w") as f:
-                json.dump({"commit": commit, "torch": torch.__version__, "shape": SHAPE, "dtype": "float32",
+                json.dump({"commit": commit, "torch": torch.__version__, "shape": {**SHAPE, "num_hidden_layers": args.layers}, "dtype": "float32",
                            "tile": args.tile or None, "rows": rows}, f, indent=1)
     print(table(rows))
     if args.md:
