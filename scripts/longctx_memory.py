@@ -1,80 +1,121 @@
-"""Peak CPU tensor memory of one decoder layer's streamed forward + backward vs sequence length,
-MLP tiled and untiled (``sequence_tile_tokens``), with the growth per token.
+"""Peak CPU tensor memory of a streamed decoder layer's backward (recompute with grad) vs sequence
+length, against the plan's per-layer working set (issue 34: "CPU peak memory per token, measured
+with torch's profiler at 4K-64K, is bounded by the plan's per-layer working set").
 
-The model: a Llama of one decoder layer (hidden 64, intermediate 512, 2 heads of 32, vocab 256,
-SDPA attention), attached with megatrain on the CPU, chunked loss on, fp32. One training
-forward + ``loss.backward()`` of one sequence; the peak is the layer unit's recompute with grad
-(the embedding, norm and chunked head hold far less). Measured with torch's memory profiler
-(``torch.profiler.profile(profile_memory=True)``: the running sum of the CPU allocator's
-allocation and free events, ``megatrain_hf/bench/cpu_memory.py``): tensor storage only.
+The model: a Llama of hidden 256, intermediate 688, 4 heads of 64 with 2 key/value heads (GQA),
+vocab 256, SDPA attention, fp32, 2 decoder layers, attached with megatrain on the CPU
+(``sequence_tile_tokens`` tiles of 1024 tokens: every per-token operation of a layer tiled through its
+layer recipe; chunked loss). One training forward + ``loss.backward()`` of one sequence (batch 1),
+after a warm step. Measured with torch's memory profiler (``torch.profiler.profile(profile_memory=True)``,
+``megatrain_hf/bench/cpu_memory.py``): the running sum of the CPU allocator's allocation and free
+events in time order (tensor storage only).
+
+* ``step_peak``: that sum's maximum over the whole step (checkpoints, embedding, head included);
+* ``layer_peak``: inside each decoder layer's ``StreamedUnitBackward`` (the layer's recompute with
+  grad and its backward), the maximum of the sum minus its value when the backward starts, plus the
+  gradient flowing in (fp32 ``tokens x hidden``, allocated by the unit after it but counted by the
+  plan); the largest over the layers. That is what ``memory/activations.layer_working_set`` models
+  (the plan's ``gpu_layer_working_set``); ``long_context_working_set`` (the joint plan's) also counts
+  the layer's input as loaded from its checkpoint, so it is compared with ``layer_peak`` plus the
+  fp32 ``tokens x hidden`` input.
 
     python scripts/longctx_memory.py                        # 4K .. 64K tokens, tiles of 1024
-    python scripts/longctx_memory.py --seq-lens 1024 2048 --json out.json
+    python scripts/longctx_memory.py --seq-lens 2048 4096 --json out.json --md out.md
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import time
 
 import torch
 import transformers
 
 from megatrain_hf import MegaTrainConfig, attach
-from megatrain_hf.bench.cpu_memory import peak_tensor_bytes
+from megatrain_hf.bench.cpu_memory import streamed_layer_peak
+from megatrain_hf.memory import activations
+
+SHAPE = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256)
 
 
-def _model() -> torch.nn.Module:
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=512, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=256,
-                                      max_position_embeddings=1 << 20)
+def build_model(seq: int, **overrides) -> torch.nn.Module:
+    config = transformers.LlamaConfig(**{**SHAPE, **overrides}, max_position_embeddings=max(seq, 2048))
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).float()
 
 
-def measure(seq: int, tile: int | None) -> dict:
-    model = _model()
+def measure(seq: int, tile: int | None, **shape) -> dict:
+    model = build_model(seq, **shape)
+    cfg = model.config
     engine = attach(model, MegaTrainConfig(sequence_tile_tokens=tile, chunked_loss=True), device="cpu")
-    ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(seq))
-
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-
-    step()  # warm: the allocator and the engine's first-call state
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(seq))
+    warm = ids[:, : min(seq, 1024)]
+    model(input_ids=warm, labels=warm).loss.backward()  # the allocator's and the engine's first-call state
     model.zero_grad()
+    tiled_before = engine.stats.tiled_layer_calls
     started = time.perf_counter()
-    peak = peak_tensor_bytes(step)
+    step_peak, layer_peak, windows = streamed_layer_peak(lambda: model(input_ids=ids, labels=ids).loss.backward(),
+                                                         cfg.num_hidden_layers, seq, cfg.hidden_size)
     seconds = time.perf_counter() - started
+    tiled_calls = engine.stats.tiled_layer_calls - tiled_before
     engine.detach()
-    return {"seq": seq, "tile": tile, "peak_bytes": peak, "seconds": round(seconds, 2)}
+    h, heads, kv_heads = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = h // heads
+    q_dim, kv_dim, inter = heads * head_dim, kv_heads * head_dim, cfg.intermediate_size
+    c = 4  # fp32 compute
+    plan = activations.layer_working_set(seq, h, q_dim, kv_dim, inter, c, tile)
+    joint = activations.long_context_working_set(seq, h, q_dim, kv_dim, inter, c, tile or seq)
+    return {"tokens": seq, "tile": tile, "tiled_layer_calls": tiled_calls, "step_peak_bytes": step_peak,
+            "unit_backward_peaks_above_entry": windows, "layer_peak_bytes": layer_peak,
+            "layer_peak_per_token": round(layer_peak / seq, 1), "plan_layer_working_set": plan,
+            "ratio_layer_to_plan": round(layer_peak / plan, 4),
+            "plan_long_context_working_set": joint,
+            "ratio_layer_plus_input_to_joint_plan": round((layer_peak + seq * h * 4) / joint, 4),
+            "seconds": round(seconds, 2)}
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| tokens | step peak (MiB) | layer peak (MiB) | layer peak per token (B) | plan `layer_working_set` "
+             "(MiB) | measured / plan | (+ input) / `long_context_working_set` | s |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['tokens']} | {r['step_peak_bytes'] / 2**20:.1f} | {r['layer_peak_bytes'] / 2**20:.1f} | "
+                     f"{r['layer_peak_per_token']:.0f} | {r['plan_layer_working_set'] / 2**20:.1f} | "
+                     f"{r['ratio_layer_to_plan']:.3f} | {r['ratio_layer_plus_input_to_joint_plan']:.3f} | "
+                     f"{r['seconds']} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536])
-    parser.add_argument("--tile", type=int, default=1024, help="tokens per MLP tile of the tiled runs")
+    parser.add_argument("--tile", type=int, default=1024, help="sequence_tile_tokens (0: untiled)")
+    parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"],
+                        help="decoder layers (the layer peak is per layer; fewer: a shorter step)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    parser.add_argument("--md", default=None, help="also write the markdown table to this file")
     args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
     for seq in args.seq_lens:
-        for tile in (None, args.tile):
-            rows.append(measure(seq, tile))
-            print(json.dumps(rows[-1]), flush=True)
-    print("\n| tokens | untiled peak (MiB) | tiled peak (MiB) | untiled s | tiled s |")
-    print("|---:|---:|---:|---:|---:|")
-    by = {(r["seq"], r["tile"]): r for r in rows}
-    for seq in args.seq_lens:
-        u, t = by[(seq, None)], by[(seq, args.tile)]
-        print(f"| {seq} | {u['peak_bytes'] / 2**20:.1f} | {t['peak_bytes'] / 2**20:.1f} | {u['seconds']} | {t['seconds']} |")
-    lo, hi = args.seq_lens[0], args.seq_lens[-1]
-    for tile, name in ((None, "untiled"), (args.tile, f"tiled ({args.tile})")):
-        growth = (by[(hi, tile)]["peak_bytes"] - by[(lo, tile)]["peak_bytes"]) / (hi - lo)
-        print(f"growth per token {lo}..{hi}, {name}: {growth:.0f} B/token")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        rows.append(measure(seq, args.tile or None, num_hidden_layers=args.layers))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.json:  # after every length: a run stopped by a timeout keeps what it measured
+            with open(args.json, "w") as f:
+                json.dump({"commit": commit, "torch": torch.__version__, "shape": {**SHAPE, "num_hidden_layers": args.layers}, "dtype": "float32",
+                           "tile": args.tile or None, "rows": rows}, f, indent=1)
+    print(table(rows))
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table(rows) + "\n")
+    if len(rows) > 1:
+        lo, hi = rows[0], rows[-1]
+        growth = (hi["layer_peak_bytes"] - lo["layer_peak_bytes"]) / (hi["tokens"] - lo["tokens"])
+        print(f"layer peak growth per token {lo['tokens']}..{hi['tokens']}: {growth:.0f} B/token")
 
 
 if __name__ == "__main__":

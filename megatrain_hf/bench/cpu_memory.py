@@ -24,3 +24,42 @@ def peak_tensor_bytes(fn: Callable[[], object]) -> int:
         alive += event.nbytes()
         peak = max(peak, alive)
     return peak
+
+
+def peaks_by_window(fn: Callable[[], object], window: str) -> tuple[int, list[int]]:
+    """``(peak, per_window)`` of ``fn()``: :func:`peak_tensor_bytes`'s peak, and for each profiler event
+    named ``window`` (in time order; e.g. ``"StreamedUnitBackward"``, one streamed unit's backward) the
+    maximum of the running sum inside it minus the sum when it starts: the bytes that event's work
+    allocated on top of what was alive."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = list(prof.profiler.kineto_results.events())
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    spans = sorted((e.start_ns(), e.end_ns()) for e in events if e.name() == window)
+    alive = peak = 0
+    timeline = []
+    for t, n in memory:
+        alive += n
+        peak = max(peak, alive)
+        timeline.append((t, alive))
+    per_window = []
+    for start, end in spans:
+        base = next((a for t, a in reversed(timeline) if t < start), 0)
+        per_window.append(max((a for t, a in timeline if start <= t <= end), default=base) - base)
+    return peak, per_window
+
+
+def streamed_layer_peak(step: Callable[[], object], layers: int, tokens: int, hidden: int) -> tuple[int, int, list[int]]:
+    """``(step peak, layer peak, per-unit peaks)`` of one training step ``step()`` of a decoder-only model
+    attached with megatrain on the CPU (units: embedding, ``layers`` decoder layers, final norm, head).
+
+    The layer peak is what ``memory/activations.layer_working_set`` models: the most any decoder layer's
+    streamed backward (its recompute with grad and its backward) allocates above what is alive when it
+    starts, plus the fp32 ``tokens x hidden`` gradient flowing into it (allocated by the unit after it,
+    counted by the plan). Backward order: the head's unit, the final norm's, the layers' last to first,
+    the embedding's."""
+    peak, units = peaks_by_window(step, "StreamedUnitBackward")
+    if len(units) != layers + 3:
+        raise RuntimeError(f"expected {layers + 3} streamed unit backwards (embedding, {layers} layers, norm, head), "
+                           f"the profiler saw {len(units)}")
+    return peak, max(units[2: 2 + layers]) + tokens * hidden * 4, units

@@ -5,7 +5,9 @@ Per token of a micro-batch, with ``h`` the hidden width, ``i`` the MLP's interme
 
 * a decoder layer's recompute with grad keeps q/k/v, the attention output and the residual
   stream's tensors (``c * (2h + 2q + 2kv) + 4 * 6h``, as ``plan.py`` always counted) plus the
-  MLP's ``tokens x i`` intermediates (gate, up, activation, product: ``4 c i``);
+  MLP's ``tokens x i`` tensors (gate, up, activation, product and two gradients in flight:
+  ``MLP_TILE_FACTOR c i = 6 c i``; ``4 c i`` before 2026-12-07 fell 21 % short of the measured CPU
+  peak, ``scripts/longctx_memory.py --tile 0``);
 * sequence-tiled (``sequence_tile_tokens``), every per-token operation of the layer runs over
   tiles (``runtime/tiling.py``, families with a layer recipe): what stays full-length is q, k, v,
   the attention output (and its contiguous copy), their gradients, the flash kernel's fp32 ``dq``
@@ -103,7 +105,7 @@ def layer_working_set(tokens: int, hidden: int, q_dim: int, kv_dim: int, interme
     c = compute_bytes
     if tile is None or tile >= tokens:
         attention = tokens * (c * (2 * hidden + 2 * q_dim + 2 * kv_dim) + 4 * 6 * hidden)
-        return attention + tokens * 4 * c * intermediate
+        return attention + mlp_tile_bytes(tokens, intermediate, c)
     full = tokens * (c * (5 * q_dim + 4 * kv_dim) + 4 * q_dim + 3 * 4 * hidden)
     return full + tile_bytes(tile, hidden, q_dim, kv_dim, intermediate, c)
 
