@@ -129,19 +129,24 @@ def recomputed_inputs_bytes(tokens: int, hidden: int, interval: int = 1) -> int:
 
 
 def long_context_working_set(tokens: int, hidden: int, q_dim: int, kv_dim: int, intermediate: int,
-                             compute_bytes: int, tile: int) -> int:
+                             compute_bytes: int, tile: int, heads: int | None = None) -> int:
     """GPU bytes of one decoder layer's backward (recompute included) with every per-token operation
     tiled (issue 34 item 1: norms, q/k/v with rotary, o with the residual add, the MLP), the one
     activation model of the joint long-context plan (``memory/long_context.py``).
 
-    Full-length tensors left, per token: the layer's input as loaded from its checkpoint and the
-    gradient flowing in, fp32 (``4 h`` each; the gradient flowing out is summed into the incoming one
-    tile by tile); q, k, v and the attention output in the compute dtype (``c (2 q + 2 kv)``); their
-    gradients (``c (2 q + 2 kv)``); the attention kernel's fp32 dq accumulator (``4 q``, FlashAttention's
-    backward). Plus one tile of ``tile`` tokens of everything per-token: the MLP's intermediates
-    (:func:`mlp_tile_bytes`) and the residual stream's fp32 tensors (``4 x 6 h``). 7 B (MHA) at 512K:
-    56 GiB; Llama-3-8B (GQA, 8 KV heads): 44 GiB. The tiling work owns this function: when it
-    measures its working set, this is the number to change."""
-    full = tokens * (4 * 2 * hidden + 2 * compute_bytes * (2 * q_dim + 2 * kv_dim) + 4 * q_dim)
+    Full-length tensors left, per token: the layer's input as loaded from its checkpoint, the gradient
+    flowing in and the gradient flowing out, fp32 (``4 h`` each: each ``TiledTokens`` piece writes its
+    input's gradient into a full-length buffer, and the second piece's is alive while the first runs);
+    q, k, v and the attention output in the compute dtype (``c (2 q + 2 kv)``); their gradients
+    (``c (2 q + 2 kv)``); the attention kernel's fp32 dq accumulator (``4 q``, FlashAttention's
+    backward) and its fp32 log-sum-exp per head (``4 heads``; ``heads`` None: ``q_dim / 64``). Plus one
+    tile of ``tile`` tokens of everything per-token: the MLP's intermediates (:func:`mlp_tile_bytes`)
+    and the residual stream's fp32 tensors (``4 x 6 h``). Measured on the CPU (fp32, 4K-32K tokens,
+    ``scripts/longctx_memory.py``): the layer's peak plus its input was up to 4.7 % above this without
+    the outgoing gradient and the log-sum-exp, 5 % below with them. 7 B (MHA) at 512K: 65 GiB;
+    Llama-3-8B (GQA, 8 KV heads): 53 GiB. The tiling work owns this function: when it measures its
+    working set, this is the number to change."""
+    heads = q_dim // 64 if heads is None else heads
+    full = tokens * (4 * 3 * hidden + 2 * compute_bytes * (2 * q_dim + 2 * kv_dim) + 4 * q_dim + 4 * heads)
     tile = min(tile, tokens)
     return full + mlp_tile_bytes(tile, intermediate, compute_bytes) + tile * 4 * 6 * hidden

@@ -207,7 +207,7 @@ def _phases(shape: ModelShape, base: MemoryPlan, tokens: int, tile: int) -> tupl
     weights and gradients, the loss chunk, the head's input and the gradient it returns, fp32)."""
     layer = shape.layer_params(shape.layers - 1)
     ws = activations.long_context_working_set(tokens, shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate,
-                                              2, tile)
+                                              2, tile, heads=shape.heads)
     layer_phase = {"weight slots (2 x a layer, bf16)": 2 * 2 * layer,
                    f"weight gradients ({MAX_PENDING_SENDS + 2} x a layer, fp32)": (MAX_PENDING_SENDS + 2) * 4 * layer,
                    "runtime": base.gpu_runtime, LAYER_WS: ws}

@@ -30,13 +30,15 @@ def test_llama3_8b_preset_is_the_llama3_shape():
 
 
 def test_the_working_set_model_of_a_tiled_layer():
-    """One function: 28 h bytes per token for MHA (fp32 input and incoming gradient, q/k/v/o and their
-    gradients in bf16, FlashAttention's fp32 dq accumulator) plus one tile."""
+    """One function: 32 h bytes per token for MHA (fp32 input, incoming and outgoing gradients, q/k/v/o and
+    their gradients in bf16, FlashAttention's fp32 dq accumulator), the fp32 log-sum-exp of every head,
+    plus one tile."""
     ws = activations.long_context_working_set
     tile = 4096 * (6 * 2 * 11008 + 24 * 4096)
-    assert ws(S, 4096, 4096, 4096, 11008, 2, 4096) == S * 28 * 4096 + tile
-    assert ws(S, 4096, 4096, 1024, 14336, 2, 4096) == S * 22 * 4096 + 4096 * (6 * 2 * 14336 + 24 * 4096)
-    assert ws(1024, 4096, 4096, 4096, 11008, 2, 4096) == 1024 * (28 * 4096 + 6 * 2 * 11008 + 24 * 4096)
+    assert ws(S, 4096, 4096, 4096, 11008, 2, 4096, heads=32) == S * (32 * 4096 + 4 * 32) + tile
+    assert ws(S, 4096, 4096, 1024, 14336, 2, 4096, heads=32) == (S * (26 * 4096 + 4 * 32)
+                                                                 + 4096 * (6 * 2 * 14336 + 24 * 4096))
+    assert ws(1024, 4096, 4096, 4096, 11008, 2, 4096) == 1024 * (32 * 4096 + 6 * 2 * 11008 + 24 * 4096 + 4 * 64)
 
 
 @pytest.mark.parametrize("model", ["llama-7b", "llama3-8b"])
