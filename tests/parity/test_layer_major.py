@@ -455,19 +455,19 @@ def test_trl_fused_lm_head_runs_in_the_head_unit(tmp_path, monkeypatch, accumula
     utils = pytest.importorskip("trl.trainer.utils")
     if not hasattr(utils, "add_fused_lm_head"):
         pytest.skip("this trl has no fused LM head")
-    from megatrain_hf import HostAdamW
     from megatrain_hf.integrations import trl as megatrain_trl
+    from megatrain_hf.optim.update_worker import UnitUpdater
 
     _, ref, ref_losses = _trl_run(tmp_path / "ref", [], accumulation)
-    run_job = HostAdamW._update
+    run_job = UnitUpdater.update
 
-    def slow_update(self, job, on_device=False):
+    def slow_update(self, job, kernel=None):
         time.sleep(0.05)  # the next forward must wait for it; a read that does not sees old weights
-        return run_job(self, job, on_device)
+        return run_job(self, job, kernel)
 
     served = []
     forward = megatrain_trl.FusedLogProbs.forward
-    monkeypatch.setattr(HostAdamW, "_update", slow_update)
+    monkeypatch.setattr(UnitUpdater, "update", slow_update)
     monkeypatch.setattr(megatrain_trl.FusedLogProbs, "forward", lambda self, *a: served.append(1) or forward(self, *a))
     trainer, model, losses = _trl_run(tmp_path / "mt", [MegaTrainPlugin()], accumulation)
     assert len(served) == 3 * accumulation  # every micro-batch's head ran in the engine's head unit

@@ -281,7 +281,7 @@ def _make(*targets: str) -> str:
 
 def test_make_test_shows_skip_reasons_and_test_fast_skips_slow_tests():
     assert '-m pytest -m "not gpu" -q -rs' in _make("test")
-    assert '-m pytest -m "not gpu and not slow" -q -rs' in _make("test-fast")
+    assert '-m pytest -m "not gpu and not slow" --fast -q -rs' in _make("test-fast")
     assert "bash .ci/lower_bounds.sh" in _make("lower-bounds")
     assert "bash .ci/integrations.sh" in _make("test-integrations")  # the tools' own commands (docs/integrations.md)
 

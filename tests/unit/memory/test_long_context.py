@@ -45,6 +45,12 @@ def test_the_working_set_model_of_a_tiled_layer():
 @pytest.mark.parametrize("machine", MACHINES)
 def test_512k_fits_both_anchor_machines(tmp_path, model, machine):
     gpu, host, disk = MACHINES[machine]
+    if (model, machine) == ("llama-7b", "h100"):
+        # a 7B at 512K on the 80 GB machine without a disk tier: 1-8 GiB short on the GPU once the plan counts the
+        # layer's outgoing fp32 gradient and the attention's log-sum-exp (measured on the CPU, docs/long-context.md)
+        with pytest.raises(LongContextFitError, match=r"longest that fits is 4\d{5} tokens.*Fix: .*disk tier"):
+            plan_long_context(PRESETS[model], S, gpu, host, disk)
+        disk = 80 * G  # what the refusal names as the fix: the disk tier
     plan = plan_long_context(PRESETS[model], S, gpu, host, disk)
     assert plan.fits(gpu, host, disk)
     assert sum(plan.gpu.values()) <= gpu and sum(plan.host.values()) <= host
@@ -77,11 +83,11 @@ def test_a_fitting_exact_candidate_beats_every_lossy_one():
 
 def test_a_length_beyond_what_fits_is_refused_with_the_longest_and_the_fix():
     gpu, host, disk = MACHINES["h100"]
-    seq, plan = longest(PRESETS["llama-7b"], gpu, host, disk)
+    seq, plan = longest(PRESETS["llama3-8b"], gpu, host, disk)
     assert S <= seq < 2 * S and plan is not None
-    assert best_plan(PRESETS["llama-7b"], seq + 1024, gpu, host, disk) is None
+    assert best_plan(PRESETS["llama3-8b"], seq + 1024, gpu, host, disk) is None
     with pytest.raises(LongContextFitError) as info:
-        plan_long_context(PRESETS["llama-7b"], 2 * S, gpu, host, disk)
+        plan_long_context(PRESETS["llama3-8b"], 2 * S, gpu, host, disk)
     message = str(info.value)
     assert isinstance(info.value, MegatrainError) and isinstance(info.value, MemoryError)
     assert f"at {2 * S} tokens per sequence does not fit a 79.00 GiB GPU" in message
@@ -90,10 +96,10 @@ def test_a_length_beyond_what_fits_is_refused_with_the_longest_and_the_fix():
 
 
 def test_disk_is_named_as_the_fix_when_only_the_disk_tier_would_fit():
-    """7 B at 1M tokens on the H200 machine without a disk: the RAM cannot hold the checkpoints the GPU
+    """7 B at 512K on the H100 machine without a disk: the RAM cannot hold the checkpoints the GPU
     cannot; the fix names the disk tier's size."""
     with pytest.raises(LongContextFitError, match=r"Fix: .*the disk tier with [0-9.]+ GiB free \(offload_dir"):
-        plan_long_context(PRESETS["llama-7b"], 2 * S, 139 * G, 125 * G, None)
+        plan_long_context(PRESETS["llama-7b"], S, 79 * G, 125 * G, None)
 
 
 @pytest.mark.parametrize("model", ["llama-7b", "llama3-8b"])
@@ -105,8 +111,10 @@ def test_estimate_prints_the_placement_peaks_and_tier_times(capsys, model):
     assert f"at seq {S} on a 139.00 GiB GPU and 125.00 GiB host RAM and 60.00 GiB of disk: fits (checkpoints:" in out
     for line in ("  GPU (GiB)", "  host RAM (GiB)", "  time per step, estimated (s)", "    compute (attention 9"):
         assert line in out
-    assert main(["estimate", "--model", model, "--seq-len", str(S), "--gpu-gib", "79", "--host-gib", "125"]) == 0
-    assert f"at seq {S} on a 79.00 GiB GPU and 125.00 GiB host RAM: fits (checkpoints:" in capsys.readouterr().out
+    fits = model != "llama-7b"  # the 7B needs the disk tier there (test_512k_fits_both_anchor_machines)
+    assert main(["estimate", "--model", model, "--seq-len", str(S), "--gpu-gib", "79", "--host-gib", "125"]) == (0 if fits else 1)
+    verdict = "fits (checkpoints:" if fits else "does NOT fit"
+    assert f"at seq {S} on a 79.00 GiB GPU and 125.00 GiB host RAM: {verdict}" in capsys.readouterr().out
 
 
 def test_estimate_refuses_a_length_that_does_not_fit(capsys):
