@@ -404,8 +404,14 @@ def test_ctrl_c_while_starting_the_coroutines():
         signal.raise_signal(signal.SIGINT)
         return 0
 
-    with pytest.raises(KeyboardInterrupt):
-        layer_major.run(object(), torch.device("cpu"), [first, lambda: 1, lambda: 2], lambda *a: None, lambda i: None)
+    # Python's own handler (an earlier test's library may have installed another): SIGINT -> KeyboardInterrupt
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            layer_major.run(object(), torch.device("cpu"), [first, lambda: 1, lambda: 2], lambda *a: None,
+                            lambda i: None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not _microbatch_threads()
 
 
