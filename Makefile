@@ -18,7 +18,7 @@ demo: install
 test: install
 	$(PY) -m pytest -m "not gpu" -q -rs
 
-# a quick check while editing (~3 min on 2 cores): without the tests marked `slow` (> ~20 s each on a
+# a quick check while editing (~3 min on 2 cores): without the tests marked `slow` (> ~5 s each on a
 # 2-core CPU, or training runs in subprocesses), and one case of each parametrized test (--fast,
 # tests/conftest.py: its first parameter set, e.g. llama of the family sweeps)
 test-fast: install

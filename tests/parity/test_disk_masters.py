@@ -278,6 +278,7 @@ def test_estimate_counts_the_masters_on_disk(tmp_path, capsys):
     assert "needs the bf16 staging copy" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_auto_puts_the_fewest_masters_on_disk_when_moments_on_disk_are_not_enough(tmp_path, monkeypatch):
     """offload_state='auto': every unit's moments on disk and RAM still one byte short: the last units'
     masters go too (not all of them), and the run equals the in-RAM run bitwise. (With host_staging="auto"

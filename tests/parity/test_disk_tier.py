@@ -79,6 +79,7 @@ def test_compressed_moments_on_disk_equal_the_in_ram_run(tmp_path, mode, accumul
             assert torch.equal(a[i][key], b[i][key]), (i, key)
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_lora_with_moments_on_disk_equals_the_in_ram_run(tmp_path):
     peft = pytest.importorskip("peft")
 
@@ -94,6 +95,7 @@ def test_lora_with_moments_on_disk_equals_the_in_ram_run(tmp_path):
     assert_same_state(state_of(ref), state_of(got))
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 @pytest.mark.parametrize("mode", ["fp32", "8bit", "4bit"])
 def test_resume_with_moments_on_disk_equals_the_uninterrupted_in_ram_run(tmp_path, mode):
     """Checkpoints are written from the tier (the same bytes as the in-RAM run's, compressed or not); a fresh
@@ -210,6 +212,7 @@ def test_a_disk_too_small_is_refused_before_allocating(tmp_path, monkeypatch):
     assert not hasattr(model, "_megatrain_engine") and os.listdir(tmp_path / "d") == []
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 @pytest.mark.parametrize("mode", ["fp32", "8bit"])
 def test_auto_puts_the_fewest_units_on_disk_when_ram_is_short(tmp_path, monkeypatch, mode):
     """offload_state='auto': all moments in RAM when they fit; one byte short, the last units' moments go to

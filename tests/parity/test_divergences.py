@@ -47,6 +47,7 @@ def _assert_same(ref, got):
 
 
 # ---------------------------------------------------------------------------------- 1. optimizer + scheduler
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_user_optimizer_and_scheduler_stay_bound(tmp_path):
     """Trainer(optimizers=(AdamW, warmup schedule)): the scheduler drives the optimizer that steps
     (once the AdamW was replaced and its learning rate stayed 0 under warmup: nothing trained)."""
@@ -74,6 +75,7 @@ def _mask_new_rows(model):
     return [calls]
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_parameter_tensor_hooks_run_as_autograd_runs_them(tmp_path):
     ref, got = _both(tmp_path, lambda: _hooked(tiny_model("llama", attention_dropout=0.0)), args=dict(weight_decay=0.0))
     _assert_same(ref, got)
@@ -111,6 +113,7 @@ class _FreezeAtStep(TrainerCallback):
                 p.requires_grad_(False)
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_requires_grad_turned_off_during_training_is_followed(tmp_path):
     ref, got = _both(tmp_path, lambda: tiny_model("llama"), callbacks=lambda m: [_FreezeAtStep(m)])
     _assert_same(ref, got)
@@ -151,6 +154,7 @@ def test_output_attentions_and_hidden_states_equal_plain():
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_submodule_hooks_fire_once_for_their_own_layer(tmp_path):
     """A forward hook on layers[0].mlp fires for layer 0 only, once per forward (also in training,
     where the backward recomputes the layer), and one that changes the output trains as in plain."""
@@ -169,6 +173,7 @@ def test_submodule_hooks_fire_once_for_their_own_layer(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- 5. dropout and the model's mode
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_layer_major_auto_does_not_depend_on_the_models_mode(tmp_path):
     """A model in eval mode when train() starts (straight after from_pretrained, after an evaluation)
     still has dropout: layer-major stays off and the masks are drawn in plain Trainer's order."""
@@ -204,6 +209,7 @@ class _Observer(TrainerCallback):
             self.ema = {n: 0.9 * self.ema[n] + 0.1 * current[n] for n in current}
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_callbacks_see_clipped_gradients_and_finished_updates(tmp_path, caplog):
     with caplog.at_level("INFO", logger="megatrain_hf"):
         ref, got = _both(tmp_path, lambda: tiny_model("llama"), callbacks=lambda m: [_Observer(m)],

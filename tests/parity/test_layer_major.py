@@ -71,6 +71,7 @@ def test_trainer_parity_layer_major(family, tmp_path, group_calls):
     assert not _microbatch_threads()
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_uneven_last_step_and_one_epoch(tmp_path, group_calls):
     """20 micro-batches per epoch, GA 3: six groups of 3, then a step of 2."""
     args = dict(gradient_accumulation_steps=3, max_steps=-1, num_train_epochs=1)
@@ -125,6 +126,7 @@ def test_accumulate_gradients_and_transfers(family):
     engine.detach()
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_auto_keeps_plain_order_with_dropout(tmp_path, group_calls, caplog):
     """Active dropout: 'auto' runs micro-batch by micro-batch (same random masks as plain Trainer)."""
     ref_model = tiny_model("llama")  # attention_dropout=0.1
@@ -160,12 +162,14 @@ def test_forced_layer_major_with_dropout_trains(tmp_path, group_calls):
     assert losses[-1] < losses[0] + 0.5
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_layer_major_off(tmp_path, group_calls):
     model = tiny_model("llama", attention_dropout=0.0)
     train(model, training_args(tmp_path / "mt"), callbacks=[MegaTrainPlugin(layer_major=False)])
     assert group_calls == []
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_lora_layer_major_parity(tmp_path, group_calls):
     peft = pytest.importorskip("peft")
 

@@ -141,6 +141,7 @@ def test_estimate_refuses_bert_although_its_config_has_llama_like_sizes(tmp_path
     assert "'llama'" in err and "register_family" in err
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_estimate_accepts_every_supported_family(tmp_path, capsys):
     from tests.helpers import FAMILY_CONFIGS, tiny_model
 

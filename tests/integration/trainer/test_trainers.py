@@ -37,6 +37,7 @@ def _sequence(tmp_path, name: str, plugin: bool, second: str) -> tuple[list[floa
     return recorder.losses, state_of(model), metrics
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 @pytest.mark.parametrize("second", ["train", "evaluate"])
 def test_two_trainers_in_sequence_on_one_model(tmp_path, second):
     ref_losses, ref_state, ref_metrics = _sequence(tmp_path, "ref", False, second)

@@ -99,6 +99,7 @@ def _reduce_worker(rank: int, init: str, out: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # ~5-10 s: in `make test`, not in `make test-fast`
 def test_gradient_reduce_in_pieces_sums_exactly_at_the_owner(tmp_path):
     init = f"file://{tmp_path / 'init'}"
     mp.spawn(_reduce_worker, args=(init, str(tmp_path / "r")), nprocs=2, join=True)
