@@ -5,7 +5,7 @@ engine.store). Prints one JSON line: the median seconds of a whole step and of `
 (the background update, waited for) over ``--steps`` steps after ``--warmup``, and the tree it ran from.
 Meant to compare two checkouts through PYTHONPATH, alternating, in one shell command, e.g.
 
-    for i in 1 2 3; do for t in /tmp/base /work/wt/optim; do PYTHONPATH=$t python scripts/optim_step_bench.py; done; done
+    for i in 1 2 3; do for t in /tmp/before /tmp/after; do PYTHONPATH=$t python scripts/optim_step_bench.py; done; done
 """
 
 from __future__ import annotations
