@@ -41,7 +41,7 @@ from .core.store import HostStore, alias
 from .core.streamer import Streamer
 from .core.streams import streams_for
 from .core.template import TemplateCache
-from .models.checks import check_coverage, check_fp32, check_liger_head, dropout_modules, prepare_graph_call
+from .models.checks import check_compile_dropout, check_coverage, check_fp32, check_liger_head, prepare_graph_call
 from .models.families import INPUT_KWARGS, family_of, unwrap
 from .models.flops import flops_parameters
 from .models.model_patches import install_model
@@ -86,7 +86,7 @@ class Engine:
         check_coverage(model, located)
         check_liger_head(model)
         if config.compile:
-            _check_compile_dropout(model)
+            check_compile_dropout(model)
         named = list(zip(located.names, located.modules))
         deferred = deferred_weights(model)  # a model from megatrain_hf.from_pretrained: read its weights into the flats
         schemes = quantized_weights(model, config.base_quantization,
@@ -151,7 +151,7 @@ class Engine:
         self.runner.on_sequence = self._check_sequence
         self.runner.checkpoint_interval = plan.activations.checkpoint_interval
         if plan.compile is not None:
-            self.runner.compiler = _region_compiler(plan, units)
+            self.runner.compiler = RegionCompiler.for_units(plan.compile.backend, plan.compile.mode, units)
         self._checkpoint_disk = None  # the disk tier's checkpoint file (core/checkpoint_disk.py), made on first use
         self.runner.inputs.home = DeviceHome(plan.activations.checkpoint_dtype)
         self.runner.inputs.device_units = frozenset({len(units) - 1})  # the head's input: never offloaded
@@ -568,23 +568,3 @@ def engine_of(model: nn.Module) -> Engine | None:
             model.get_base_model() if hasattr(model, "get_base_model") else None
         )
     return None
-
-
-def _check_compile_dropout(model: nn.Module) -> None:
-    """``compile=True`` is refused with dropout (before the model is touched)."""
-    dropout = dropout_modules(model)
-    if dropout:
-        raise IncompatibleOptionsError(
-            f"MegaTrainConfig(compile=True) (TrainingArguments(torch_compile=True)) with dropout in the model "
-            f"({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}): a compiled layer draws its random "
-            "masks with other kernels than eager (inductor's own generator), so its recompute and the loss would not "
-            "be those of the eager model. Fix: set the model's dropout probabilities to 0 (e.g. "
-            "attention_dropout=0.0, as most fine-tuning recipes do), or leave compile off."
-        )
-
-
-def _region_compiler(plan, units: list[Unit]) -> RegionCompiler:
-    """``compile=True``: the compiled layer templates (``runtime/compiled.py``)."""
-    compiler = RegionCompiler(plan.compile.backend, plan.compile.mode)
-    compiler.set_units(units)
-    return compiler

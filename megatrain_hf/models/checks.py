@@ -231,3 +231,18 @@ def check_liger_head(model: nn.Module) -> None:
                 "use_liger_kernel=True), which megatrain configures so."
             )
 
+
+def check_compile_dropout(model: nn.Module) -> None:
+    """``compile=True`` is refused with dropout (before the model is touched)."""
+    from ..errors import IncompatibleOptionsError
+
+    dropout = dropout_modules(model)
+    if dropout:
+        raise IncompatibleOptionsError(
+            f"MegaTrainConfig(compile=True) (TrainingArguments(torch_compile=True)) with dropout in the model "
+            f"({', '.join(dropout[:3])}{', ...' if len(dropout) > 3 else ''}): a compiled layer draws its random "
+            "masks with other kernels than eager (inductor's own generator), so its recompute and the loss would not "
+            "be those of the eager model. Fix: set the model's dropout probabilities to 0 (e.g. "
+            "attention_dropout=0.0, as most fine-tuning recipes do), or leave compile off."
+        )
+

@@ -103,6 +103,13 @@ class RegionCompiler:
         logger.info("megatrain: compiling %d of %d units' templates (backend %s, mode %s)",
                     sum(self._eligible.values()), len(units), self.backend, self.mode)
 
+    @classmethod
+    def for_units(cls, backend: str, mode: str | None, units) -> "RegionCompiler":
+        """The compiler of ``compile=True`` for the engine's ``units`` (which of them run compiled)."""
+        compiler = cls(backend, mode)
+        compiler.set_units(units)
+        return compiler
+
     def applies(self, unit, kernel: Any, tile: int | None) -> bool:
         """Whether this call of ``unit`` runs compiled (decided once, at its forward)."""
         if not self._eligible.get(unit.index, False) or kernel is not None:
