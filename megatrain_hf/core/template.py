@@ -278,9 +278,8 @@ class Template:
             mirror.counts.append(-1)
             mirror.ignored.append(frozenset())
             _classify(mirror, i)
-        own = vars(real).get("forward")
-        if own is not None:  # before the engine replaces it: the unit's own instance forward
-            mirror.root_forward = resolve(own, "forward", name, refs)
+        # before the engine replaces it: the unit's own instance forward
+        self.adopt_root_forward(mirror, vars(real).get("forward"))
         return mirror
 
     @staticmethod
