@@ -212,6 +212,8 @@ bench_stage() {  # bench_stage STAGE ARGS [MEGATRAIN_CONFIG]: one megatrain benc
     [ -f "$trace" ] || continue
     timeout "$(left 60)" python3 scripts/trace_summary.py "$trace" > "$R/$stage-$(basename "$trace" .json.trace.json)-trace.txt" 2>&1
     gzip -1 "$trace"
+    # a large trace would not come back from the call (16 MiB a file): its text summary stays
+    [ "$(stat -c %s "$trace.gz")" -gt 6000000 ] && rm -f "$trace.gz"
   done
 }
 
