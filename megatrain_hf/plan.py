@@ -503,7 +503,8 @@ def _fixed(c: MegaTrainConfig, machine: Machine, run: Run) -> tuple[seq_placemen
                                 c.offload_state if c.offload_dir is not None else "auto", run.grad_accum or 1)
     disk = None if c.offload_dir is None else machine.disk_free if machine.disk_free is not None else \
         seq_placement.UNBOUNDED
-    budget = (c.gpu_memory_bytes() or machine.gpu_memory, machine.ram_available if c.check_host_memory else None, disk)
+    gpu = min((b for b in (c.gpu_memory_bytes(), machine.gpu_memory) if b is not None), default=None)
+    budget = (gpu, machine.ram_available if c.check_host_memory else None, disk)
     return fixed, budget, dict(chunked_loss=c.chunked_loss is not False, loss_chunk_tokens=c.loss_chunk_tokens)
 
 
@@ -537,6 +538,7 @@ def check_length(plan: TrainingPlan, seq_len: int, longest_before: int = 0) -> N
     if joint is None or seq_len <= c.max_seq_len:
         return
     fixed, (gpu, host, disk), kw = _fixed(c, plan.machine, plan.run)
+    fixed = replace(fixed, host_staging=joint.state.host_staging, offload_state=joint.state.on_disk)  # as attached
     if seq_placement.holds(joint.shape, seq_len, gpu, host, disk, fixed, **kw) is not None:
         if longest_before <= c.max_seq_len:  # the first sequence beyond it
             logger.warning("megatrain: a training sequence of %d tokens is longer than max_seq_len=%d; the placement "

@@ -38,14 +38,15 @@ class Fixed:
     host_staging: bool | None = None
     offload_checkpoints: bool | str | None = None  # False, True, "disk"; None: chosen
     checkpoint_interval: int | None = None
-    offload_state: str = "auto"  # with a disk tier: "auto" (chosen), "moments", "all"
+    offload_state: str = "auto"  # with a disk tier: "auto" (chosen), "none", "moments", "all"
     grad_accum: int = 1
 
     def states(self, disk: bool) -> tuple[StateChoice, ...]:
         """The state choices these options allow (``disk``: a disk tier exists)."""
         bf16 = self.compute_dtype == "bf16"
         staging = (True, False) if self.host_staging is None and bf16 else (self.host_staging is not False and bf16,)
-        on_disk = {"auto": ("none", "moments", "all"), "moments": ("moments",), "all": ("all",)}[self.offload_state]
+        on_disk = {"auto": ("none", "moments", "all"), "none": ("none",), "moments": ("moments",),
+                   "all": ("all",)}[self.offload_state]
         out = []
         for where in on_disk if disk else ("none",):
             for keep in staging:
