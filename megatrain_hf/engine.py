@@ -51,6 +51,7 @@ from .memory.budget import GpuBudget
 from .memory import activations
 from .memory import host as host_memory
 from .memory.host import DEFAULT_HEADROOM_BYTES
+from .memory.shapes import ModelShape
 from .optim.tier_files import TierFiles
 from .plan import Machine, Run, check, resolve
 from .runtime import layer_major
@@ -94,7 +95,8 @@ class Engine:
         quantize = (lambda p: schemes.get(id(p))) if schemes else None
         self.plan = plan = resolve(config, machine, run, lambda compute: host_memory.unit_sizes(
             named, compute_dtype=compute, embedding_units=located.embedding_units,
-            frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize))
+            frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize),
+            shape=lambda: ModelShape.from_hf_config(unwrap(model).config))  # max_seq_len's placement
         self.sharding = UnitSharding(len(named), plan.ownership.timeout_s) if plan.ownership.sharded else None
         self.state_tier = tiers = plan.disk.tiers
         on_unit = None  # the disk tier's files, made once; masters on disk go there as soon as the store filled them
@@ -195,6 +197,7 @@ class Engine:
         if seq > self._longest_sequence:
             config = getattr(unwrap(self.model), "config", None)
             self.plan.check(seq_len=seq, attention=getattr(config, "_attn_implementation", None))
+            self.plan.check_length(seq, self._longest_sequence)  # max_seq_len: logged, or refused
             self._longest_sequence = seq
 
     def _set_flops_model(self, model: nn.Module, located) -> None:

@@ -105,7 +105,8 @@ class DiskSpaceError(MegatrainError, MemoryError):
 
 class LongContextFitError(MegatrainError, MemoryError):
     """No placement of the optimizer state and the activation checkpoints fits the GPU, the host RAM and the
-    disk at the sequence length asked for (``memory/long_context.py``); names the longest that fits."""
+    disk at the sequence length asked for (``memory/long_context.py``; ``max_seq_len``'s exact placement,
+    ``memory/seq_placement.py``); names the longest that fits and what fits more."""
 
 
 class DiskIOError(MegatrainError, OSError):

@@ -27,10 +27,13 @@ from .config import MegaTrainConfig
 from .core.grad_accumulators import BF16_FIX
 from .core.grads import MAX_PENDING_SENDS
 from .core.layout import UnitSizes
-from .errors import AttentionKernelError, IncompatibleOptionsError
+from .errors import AttentionKernelError, IncompatibleOptionsError, LongContextFitError, UsageError
 from .memory import disk as disk_memory
 from .memory import host as host_memory
+from .memory import seq_placement
 from .memory.disk import DiskTier
+from .memory.long_context import JointPlan
+from .memory.shapes import ModelShape
 from .optim.moment_formats import Format as MomentFormat
 from .optim.moment_formats import format_of
 
@@ -54,6 +57,7 @@ class Machine:
     disk_free: int | None = None  # free bytes of offload_dir's filesystem (None: not measured)
     cpus: int = 1  # the CPUs this process may run on
     grad_dtype_tensors: bool = True  # this torch has Tensor.grad_dtype (torch >= 2.10)
+    gpu_memory: int | None = None  # the CUDA device's memory (None: not a GPU, or not measured)
 
     @classmethod
     def detect(cls, device: torch.device, offload_dir: str | None = None, ram_in_use: int = 0) -> "Machine":
@@ -66,9 +70,11 @@ class Machine:
             path = disk_memory.check_offload_dir(offload_dir)
             disk_memory.remove_stale_run_dirs(path)
             free = disk_memory.disk_free_bytes(path)
+        gpu = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" and torch.cuda.is_available() \
+            else None
         return cls(device, torch.cuda.is_available(), dist.get_world_size() if running else 1,
                    dist.get_rank() if running else 0, host_memory.available_host_bytes() + ram_in_use, free,
-                   MegaTrainConfig().resolve_host_threads(), hasattr(torch.Tensor, "grad_dtype"))
+                   MegaTrainConfig().resolve_host_threads(), hasattr(torch.Tensor, "grad_dtype"), gpu)
 
 
 @dataclass(frozen=True)
@@ -180,6 +186,13 @@ class TrainingPlan:
     loss: LossPlan
     adjustments: tuple[tuple[str, str], ...] = field(default=())  # (ADJUSTMENTS key, detail): what the plan changed
     compile: CompilePlan | None = None  # regional compilation of the layer templates; None: eager
+    long_context: JointPlan | None = None  # max_seq_len: the placement planned at that length
+
+    def check_length(self, seq_len: int, longest_before: int = 0) -> None:
+        """A training sequence longer than any before (``longest_before``): beyond ``max_seq_len`` it is logged
+        (the first time) where the placement still fits it, and refused (before its forward allocates) where
+        it does not."""
+        check_length(self, seq_len, longest_before)
 
     @property
     def device(self) -> torch.device:
@@ -388,6 +401,9 @@ ADJUSTMENTS: dict[str, tuple[tuple[str, str], str]] = {
     "threads": (("host_threads=None", "machine: CPUs"), "every CPU this process may run on"),
     "chunked_loss auto": (("chunked_loss='auto'", "entry point"), "off at attach; the Trainer integration turns it "
                           "on under plain transformers.Trainer"),
+    "max_seq_len placement": (("max_seq_len", "machine: GPU, RAM, disk"), "offload_checkpoints, checkpoint_interval, "
+                              "host_staging and offload_state left at 'auto' take the exact placement at that length "
+                              "(LongContextFitError when only inexact options fit)"),
 }
 """Where the plan changes or settles what was asked: key -> ((the two choices), what happens)."""
 
@@ -402,14 +418,20 @@ def combination_table() -> str:
 
 # ---------------------------------------------------------------------------------- resolution
 def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
-            sizes: Callable[[torch.dtype], list[UnitSizes]] | None = None) -> TrainingPlan:
+            sizes: Callable[[torch.dtype], list[UnitSizes]] | None = None,
+            shape: Callable[[], ModelShape] | None = None) -> TrainingPlan:
     """The plan of ``config`` on ``machine``: refuses what does not combine (:func:`check`), then decides.
 
     ``sizes(compute_dtype)``: the units' flats as the store lays them out, for the admission against
-    RAM and disk (None: nothing admitted, every moment in RAM)."""
+    RAM and disk (None: nothing admitted, every moment in RAM). ``shape()``: the model's shape, for
+    ``max_seq_len``'s placement (:func:`place_long_context`)."""
     check(config, machine, run)
-    f, c = _Facts(config, machine, run), config
     notes: list[tuple[str, str]] = []
+    joint = None
+    if config.max_seq_len is not None:
+        config, joint = place_long_context(config, machine, run, shape, notes)
+        check(config, machine, run)
+    f, c = _Facts(config, machine, run), config
     compute = f.compute
     if c.compute_dtype == "auto":
         notes.append(("compute_dtype auto", str(compute).replace("torch.", "")))
@@ -454,13 +476,78 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
         OwnershipPlan(f.sharded, machine.world_size if f.sharded else 1, machine.rank if f.sharded else 0,
                       c.collective_timeout_s),
         TransportPlan(streams, (3, MAX_PENDING_SENDS + 2) if streams else (1, 1)),
-        ActivationPlan(c.offload_checkpoints, c.checkpoint_interval, c.sequence_tile_tokens,
+        ActivationPlan(c.offload_checkpoints, c.resolve_checkpoint_interval(), c.sequence_tile_tokens,
                        torch.finfo(compute).bits // 8, budget,
                        torch.bfloat16 if c.checkpoint_dtype == "bf16" else None, c.offload_dir),
         LossPlan(c.chunked_loss is True, c.loss_chunk_tokens), tuple(notes),
-        CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None)
+        CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None, joint)
     for key, detail in notes:
-        logger.log(logging.INFO if key in ("staging dropped", "state to disk") else logging.DEBUG,
+        logger.log(logging.INFO if key in ("staging dropped", "state to disk", "max_seq_len placement") else logging.DEBUG,
                    "megatrain plan: %s x %s: %s%s", *ADJUSTMENTS[key][0], ADJUSTMENTS[key][1],
                    f" ({detail})" if detail else "")
     return plan
+
+
+# ---------------------------------------------------------------------------------- max_seq_len
+_CHOSEN = {"offload_checkpoints": "auto", "checkpoint_interval": "auto", "host_staging": "auto"}
+"""The options ``max_seq_len``'s placement sets when they are left at these values (and ``offload_state``
+with ``offload_dir``)."""
+
+
+def _fixed(c: MegaTrainConfig, machine: Machine, run: Run) -> tuple[seq_placement.Fixed, tuple, dict]:
+    """(what the placement must keep of ``c``, the machine's (GPU, RAM, disk) bytes, the plan's other inputs)."""
+    auto = lambda key: None if getattr(c, key) == _CHOSEN[key] else getattr(c, key)  # noqa: E731
+    compute = "bf16" if c.resolve_dtype(trainer_bf16=run.bf16) == torch.bfloat16 else "fp32"
+    fixed = seq_placement.Fixed(compute, c.optimizer_state, c.grad_dtype, c.checkpoint_dtype, auto("host_staging"),
+                                auto("offload_checkpoints"), auto("checkpoint_interval"),
+                                c.offload_state if c.offload_dir is not None else "auto", run.grad_accum or 1)
+    disk = None if c.offload_dir is None else machine.disk_free if machine.disk_free is not None else \
+        seq_placement.UNBOUNDED
+    gpu = min((b for b in (c.gpu_memory_bytes(), machine.gpu_memory) if b is not None), default=None)
+    budget = (gpu, machine.ram_available if c.check_host_memory else None, disk)
+    return fixed, budget, dict(chunked_loss=c.chunked_loss is not False, loss_chunk_tokens=c.loss_chunk_tokens)
+
+
+def place_long_context(c: MegaTrainConfig, machine: Machine, run: Run, shape: Callable[[], ModelShape] | None,
+                       notes: list) -> tuple[MegaTrainConfig, JointPlan]:
+    """``max_seq_len``: ``c`` with its "auto" placement options set to the exact placement at that length
+    (``memory/seq_placement.py``), and that placement; raises :class:`LongContextFitError` when none fits."""
+    if shape is None:
+        raise UsageError("megatrain: max_seq_len needs the model's shape to place its state and checkpoints, and "
+                         "this entry point gave none. Fix: attach the model (megatrain_hf.attach, the Trainer "
+                         "plugin), or megatrain estimate --max-seq-len N for a shape.")
+    fixed, (gpu, host, disk), kw = _fixed(c, machine, run)
+    joint = seq_placement.place(shape(), c.max_seq_len, gpu, host, disk, fixed, **kw)
+    chosen = {"offload_checkpoints": joint.ckpt.options()["offload_checkpoints"],
+              "checkpoint_interval": joint.ckpt.interval}
+    if fixed.compute_dtype == "bf16":  # (fp32 compute has no staging copy)
+        chosen["host_staging"] = joint.state.host_staging
+    filled = {k: v for k, v in chosen.items() if getattr(c, k) == _CHOSEN[k]}
+    if c.offload_dir is not None and c.offload_state == "auto" and joint.state.on_disk != "none":
+        filled["offload_state"] = joint.state.on_disk
+    gib = host_memory.gib
+    notes.append(("max_seq_len placement", f"{c.max_seq_len} tokens: {joint.placement()}; GPU {gib(sum(joint.gpu.values()))}"
+                  f" GiB, host {gib(sum(joint.host.values()))} GiB, disk {gib(sum(joint.disk.values()))} GiB; set "
+                  + (", ".join(f"{k}={v!r}" for k, v in filled.items()) or "nothing (every option was given)")))
+    return replace(c, **filled), joint
+
+
+def check_length(plan: TrainingPlan, seq_len: int, longest_before: int = 0) -> None:
+    """:meth:`TrainingPlan.check_length`."""
+    c, joint = plan.config, plan.long_context
+    if joint is None or seq_len <= c.max_seq_len:
+        return
+    fixed, (gpu, host, disk), kw = _fixed(c, plan.machine, plan.run)
+    fixed = replace(fixed, host_staging=joint.state.host_staging, offload_state=joint.state.on_disk)  # as attached
+    if seq_placement.holds(joint.shape, seq_len, gpu, host, disk, fixed, **kw) is not None:
+        if longest_before <= c.max_seq_len:  # the first sequence beyond it
+            logger.warning("megatrain: a training sequence of %d tokens is longer than max_seq_len=%d; the placement "
+                           "planned for %d still fits it (%s). Set max_seq_len to the longest sequence of the data "
+                           "to plan for it.", seq_len, c.max_seq_len, c.max_seq_len, joint.placement())
+        return
+    raise LongContextFitError(
+        f"megatrain: a training sequence of {seq_len} tokens is longer than MegaTrainConfig(max_seq_len="
+        f"{c.max_seq_len}), and the placement planned for {c.max_seq_len} ({joint.placement()}) does not fit "
+        f"{seq_len} tokens on this machine; refused before its forward allocates. Fix: max_seq_len={seq_len} (or "
+        f"the longest sequence of the data: the placement is planned for it at attach), or truncate the sequences "
+        f"to {c.max_seq_len} tokens (the tokenizer's max_length, or the collator).")

@@ -17,7 +17,7 @@ import dataclasses
 import torch
 
 from ..config import MegaTrainConfig
-from ..errors import MegatrainConfigError
+from ..errors import LongContextFitError, MegatrainConfigError
 from ..memory.host import GiB, gib
 from ..memory.model_layout import shape_sizes
 from ..memory.shapes import ModelShape
@@ -30,10 +30,12 @@ def config_of(args) -> MegaTrainConfig:
         raise MegatrainConfigError(
             f"--offload-window {args.offload_window}: must be >= 2 (the unit updating and the one written back "
             "behind it). Fix: --offload-window 4, the default.")
+    placing = args.max_seq_len is not None  # the flags not given are the placement's to choose ("auto")
     return MegaTrainConfig(
-        compute_dtype=args.dtype, host_staging=args.host_staging, optimizer_state=args.optimizer_state,
-        grad_dtype=args.grad_dtype, sequence_tile_tokens=args.sequence_tile_tokens,
-        checkpoint_interval=args.checkpoint_interval, chunked_loss=args.chunked_loss,
+        compute_dtype=args.dtype, optimizer_state=args.optimizer_state,
+        host_staging=args.host_staging if args.host_staging is not None else "auto" if placing else True,
+        grad_dtype=args.grad_dtype, sequence_tile_tokens=args.sequence_tile_tokens, max_seq_len=args.max_seq_len,
+        checkpoint_interval=args.checkpoint_interval or "auto", chunked_loss=args.chunked_loss,
         loss_chunk_tokens=args.loss_chunk_tokens, base_quantization=args.base_quantization,
         offload_checkpoints=True if args.offload_checkpoints else "auto",
         max_gpu_memory=int(args.gpu_gib * GiB) if args.gpu_gib is not None else None,
@@ -44,9 +46,10 @@ def shape_plan(args, shape: ModelShape, ram_available: int, disk_free: int | Non
     """(the plan of ``shape`` on the machine the flags describe, the engine's refusal for lack of RAM or
     disk or None). Raises what the engine refuses for options that do not combine."""
     config = config_of(args)
+    gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     machine = Machine(torch.device("cuda"), cuda=True, world_size=args.world_size, ram_available=ram_available,
                       disk_free=disk_free, cpus=config.resolve_host_threads(),
-                      grad_dtype_tensors=hasattr(torch.Tensor, "grad_dtype"))
+                      grad_dtype_tensors=hasattr(torch.Tensor, "grad_dtype"), gpu_memory=gpu)
     run = Run(bf16=args.dtype == "bf16", grad_accum=args.grad_accum)
     if args.disk_gib is not None and args.offload_dir is None:  # a tier planned on --disk-gib alone
         what_if = copy.copy(config)
@@ -57,11 +60,17 @@ def shape_plan(args, shape: ModelShape, ram_available: int, disk_free: int | Non
         return shape_sizes(shape, compute, args.lora_rank, args.base_quantization)
 
     try:
-        return resolve(config, machine, run, sizes), None
+        return resolve(config, machine, run, sizes, lambda: shape), None
+    except LongContextFitError as exc:  # max_seq_len: the plan of the options as given, and the engine's refusal
+        config, refusal = dataclasses.replace(config, max_seq_len=None), str(exc)
+        try:
+            return resolve(config, machine, run, sizes), refusal
+        except MemoryError:
+            pass
     except MemoryError as exc:  # HostMemoryError, DiskSpaceError: the arithmetic is the estimate's own table
         refusal = str(exc).split("\n", 1)[0]
     unchecked = dataclasses.replace(machine, ram_available=None, disk_free=1 << 62)
-    return resolve(config, unchecked, run, sizes), refusal
+    return resolve(config, unchecked, run, sizes, lambda: shape), refusal
 
 
 def describe(plan: TrainingPlan, refusal: str | None = None) -> str:

@@ -31,7 +31,13 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", "--config", dest="model", required=True, metavar="MODEL",
                         help=f"preset ({', '.join(PRESETS)}), a model directory with config.json, or a config.json "
                              "(--config is the same option)")
-    parser.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (default 4096)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per sequence (default 4096, or --max-seq-len's)")
+    parser.add_argument("--max-seq-len", type=int, default=None, metavar="N",
+                        help="plan as the engine does with MegaTrainConfig(max_seq_len=N): the options not given "
+                             "here (--offload-checkpoints, --checkpoint-interval, --host-staging, --offload-state) "
+                             "take the exact placement at N tokens on the GPU (--gpu-gib, else GPU 0), the host RAM "
+                             "and the disk; DECISIONS show it; exit code 1 with the engine's refusal when none fits")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16", help="compute dtype (default bf16)")
@@ -41,7 +47,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunked-loss", action=argparse.BooleanOptionalAction, default=True,
                         help="head + loss chunk by chunk (the default under plain Trainer; --no-chunked-loss: "
                              "full logits, e.g. Trainer subclasses)")
-    parser.add_argument("--host-staging", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--host-staging", action=argparse.BooleanOptionalAction, default=None,
                         help="keep a bf16 host copy of the matrices (2 B/param); --no-host-staging: send fp32 "
                              "and round on the GPU (what host_staging='auto' does when RAM is short)")
     parser.add_argument("--offload-checkpoints", action="store_true",
@@ -55,7 +61,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
                              "--grad-accum 1 with bf16 compute)")
     parser.add_argument("--sequence-tile-tokens", type=_tile_arg, default="auto", metavar="auto|none|N",
                         help="tokens per MLP tile (sequence_tile_tokens; default auto)")
-    parser.add_argument("--checkpoint-interval", type=int, default=1, metavar="K",
+    parser.add_argument("--checkpoint-interval", type=int, default=None, metavar="K",
                         help="keep every K-th unit's activation checkpoint (checkpoint_interval; default 1)")
     parser.add_argument("--gpu-gib", type=float, default=None,
                         help="GPU memory to plan against: prints the joint plan at --seq-len (optimizer state and "
@@ -90,8 +96,17 @@ def estimate_main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: --help is 0, usage errors are 2
         return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    if args.seq_len is None:
+        args.seq_len = args.max_seq_len or 4096
     try:
         shape = shape_of(args.model)
+        if args.host_gib is not None:
+            available, source = int(args.host_gib * GiB), "given by --host-gib"
+        else:
+            available, source = available_host_bytes(), "available on this machine now"
+        disk_free, where = _disk_free(args)
+        training = shape_plan(args, shape, available, disk_free)  # the engine's refusals, its decisions
+        _take_placement(args, training[0])
         plan = plan_memory(
             shape,
             seq_len=args.seq_len,
@@ -111,12 +126,6 @@ def estimate_main(argv: list[str] | None = None) -> int:
             grad_dtype=args.grad_dtype,
         )
         ranks = plan_ranks(plan, args.world_size, args.nodes, host_staging=args.host_staging)
-        if args.host_gib is not None:
-            available, source = int(args.host_gib * GiB), "given by --host-gib"
-        else:
-            available, source = available_host_bytes(), "available on this machine now"
-        disk_free, where = _disk_free(args)
-        training = shape_plan(args, shape, available, disk_free)  # the engine's refusals, its decisions
     except ValueError as exc:
         print(f"megatrain estimate: error: {exc}", file=sys.stderr)
         return 2
@@ -192,7 +201,17 @@ def estimate_main(argv: list[str] | None = None) -> int:
     if not fits:
         lora_hint = "" if args.lora_rank is not None else ", --lora-rank (LoRA)"
         print(f"to fit: fewer layers / a smaller model{lora_hint}, or more RAM")
-    return 0 if long_fits else 1
+    placed = args.max_seq_len is None or training[0].long_context is not None
+    return 0 if long_fits and placed else 1
+
+
+def _take_placement(args, training) -> None:
+    """The options the training plan settled (``--max-seq-len``'s placement, or the flags' defaults) as the flags
+    the memory plan reads."""
+    config = training.config
+    args.checkpoint_interval = config.resolve_checkpoint_interval()
+    args.host_staging = config.host_staging is not False
+    args.offload_checkpoints = config.offload_checkpoints in (True, "disk")
 
 
 def _disk_free(args) -> tuple[int | None, str]:

@@ -99,12 +99,12 @@ with bf16 compute: docs/memory.md)."""
 
 @dataclass(frozen=True)
 class CheckpointChoice:
-    home: str  # "gpu" or "host" (the units the RAM cannot take go to the disk tier)
+    home: str  # "gpu", "host" (the units the RAM cannot take go to the disk tier) or "disk" (every one there)
     interval: int
     dtype: str  # "fp32" or "bf16"
 
     def options(self) -> dict:
-        home = {"gpu": False, "host": True}[self.home]
+        home = {"gpu": False, "host": True, "disk": "disk"}[self.home]
         return {"offload_checkpoints": home, "checkpoint_interval": self.interval, "checkpoint_dtype": self.dtype}
 
 
@@ -218,7 +218,8 @@ def _phases(shape: ModelShape, base: MemoryPlan, tokens: int, tile: int) -> tupl
 
 
 def _candidates(shape: ModelShape, seq_len: int, host: int, disk: int | None, micro_batch: int,
-                in_flight: int, flops: float, states, base: MemoryPlan, state_host: dict, tile: int):
+                in_flight: int, flops: float, states, base: MemoryPlan, state_host: dict, tile: int,
+                intervals: tuple[int, ...] = INTERVALS, homes: tuple[str, ...] = ("gpu", "host")):
     h, layers = shape.hidden, shape.layers
     tokens = seq_len * micro_batch
     layer_phase, head_phase = _phases(shape, base, tokens, tile)
@@ -230,11 +231,11 @@ def _candidates(shape: ModelShape, seq_len: int, host: int, disk: int | None, mi
         s_host, s_disk, s_read, s_written = state_host[state]
         for dtype in ("fp32", "bf16"):
             per = tokens * h * (4 if dtype == "fp32" else 2)
-            for interval in INTERVALS:
+            for interval in intervals:
                 kept = activations.kept_checkpoints(layers, interval) * in_flight
                 held = activations.recomputed_inputs_bytes(tokens, h, interval)
                 extra = (interval - 1) / interval * forward * layers / (layers + 2) / flops
-                for home in ("gpu", "host"):
+                for home in homes:
                     hst = {"optimizer state": s_host, "headroom": DEFAULT_HEADROOM_BYTES}
                     dsk = {"optimizer state": s_disk, "headroom": DISK_HEADROOM_BYTES} if s_disk else {}
                     sec = {label: compute}
@@ -247,12 +248,12 @@ def _candidates(shape: ModelShape, seq_len: int, host: int, disk: int | None, mi
                         ckpts = {"checkpoints: the head's": in_flight * per, "checkpoints: one read ahead": in_flight * per}
                         off = kept - in_flight
                         room = max(0, host - s_host - DEFAULT_HEADROOM_BYTES)
-                        host_units = min(off, room // per)
+                        host_units = min(off, room // per) if home == "host" else 0
                         if off > host_units:
                             if disk is None:
                                 continue
                             staging = (DISK_STAGING_SLOTS + in_flight - 1) * per
-                            host_units = min(off, max(0, room - staging) // per)
+                            host_units = min(off, max(0, room - staging) // per) if home == "host" else 0
                             disk_units = off - host_units
                             hst["checkpoint staging (disk tier)"] = staging
                             dsk["checkpoints"] = disk_units * per
@@ -284,8 +285,12 @@ def _state_bytes(shape: ModelShape, base: MemoryPlan, state: StateChoice, option
 
 def candidates(shape: ModelShape, seq_len: int, gpu: int, host: int, disk: int | None = None, *, micro_batch: int = 1,
                grad_accum: int = 1, layer_major: bool = True, flops: float = SUSTAINED_FLOPS,
-               states: tuple[StateChoice, ...] = STATES, **options) -> list[JointPlan]:
-    """Every combination of :data:`STATES` (those the disk allows) and checkpoint choice at ``seq_len``."""
+               states: tuple[StateChoice, ...] = STATES, intervals: tuple[int, ...] = INTERVALS,
+               homes: tuple[str, ...] = ("gpu", "host"), dtypes: tuple[str, ...] = ("fp32", "bf16"),
+               **options) -> list[JointPlan]:
+    """Every combination of :data:`STATES` (those the disk allows) and checkpoint choice at ``seq_len``
+    (``intervals``, ``homes``, ``dtypes``: the checkpoint choices tried; ``memory/seq_placement.py`` narrows
+    them to the options a user fixed)."""
     states = tuple(s for s in states if disk is not None or s.on_disk == "none")
     if grad_accum > 1:
         states = tuple(s for s in states if s.grad_dtype == "fp32")  # bf16 accumulators need accumulation 1
@@ -294,8 +299,9 @@ def candidates(shape: ModelShape, seq_len: int, gpu: int, host: int, disk: int |
     base = plan_memory(shape, seq_len=seq_len, micro_batch=micro_batch, grad_accum=grad_accum, **options)
     tile = max(shape.hidden, activations.AUTO_TILE_MIN)
     state_host = {s: _state_bytes(shape, base, s, options) for s in states}
-    return list(_candidates(shape, seq_len, host, disk, micro_batch, grad_accum if layer_major else 1, flops,
-                            states, base, state_host, tile))
+    plans = _candidates(shape, seq_len, host, disk, micro_batch, grad_accum if layer_major else 1, flops,
+                        states, base, state_host, tile, intervals, tuple(h for h in homes if h != "disk" or disk is not None))
+    return [p for p in plans if p.ckpt.dtype in dtypes]
 
 
 def _best(plans: list[JointPlan], gpu: int, host: int, disk: int | None) -> JointPlan | None:

@@ -44,6 +44,13 @@ def _check_window(name: str, value) -> None:
             "the default.")
 
 
+def _check_max_seq_len(name: str, value) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise MegatrainConfigError(
+            f"MegaTrainConfig.{name}={value!r}; allowed: None or the longest training sequence in tokens, an "
+            "int >= 1 (e.g. 131072).")
+
+
 @dataclass(kw_only=True)
 class MemoryOptions:
     pin_memory: bool | Literal["auto"] = "auto"
@@ -57,7 +64,8 @@ class MemoryOptions:
     the GPU (same bits; no host copy, twice the bytes up the link, a shorter update). `"auto"`: keep
     the copy unless the host plan does not fit in the RAM available with it but fits without it
     (logged): 16 instead of 18 bytes per trainable parameter. Which is faster depends on the link
-    and the accumulation: see docs/benchmarks.md."""
+    and the accumulation: see docs/benchmarks.md. With `max_seq_len`, `"auto"` is the choice of the
+    placement planned for that length (the copy dropped where the RAM is wanted for checkpoints)."""
 
     max_gpu_memory: Annotated[str | int | None, parse_size] = None
     """GPU memory budget for this process, e.g. `"24GiB"`, `"20GB"` or a byte count; `None`: no
@@ -95,8 +103,8 @@ class MemoryOptions:
     (written behind on a thread from a host staging buffer, read back one unit ahead of its
     backward; host RAM: three checkpoints' staging buffers whatever the depth). With `offload_dir`
     set, a checkpoint the host RAM cannot take (`True`, or `"auto"` once on) spills to that file
-    instead of failing. Which home a length needs is `megatrain estimate`'s placement
-    ([long context](long-context.md))."""
+    instead of failing. With `max_seq_len`, `"auto"` is the home of the placement planned for that
+    length ([long context](long-context.md#setting-max_seq_len))."""
 
     checkpoint_dtype: Literal["fp32", "bf16"] = "fp32"
     """dtype the activation checkpoints are kept in, in any home (GPU, host, disk). `"fp32"`: each
@@ -104,6 +112,21 @@ class MemoryOptions:
     `"bf16"` (opt-in): floating inputs rounded to bf16 when kept and widened back for the backward's
     recompute; half the bytes, not exact: the recompute starts from the rounded input (a measured loss
     band is in docs/benchmarks.md). Needs bf16 compute."""
+
+    max_seq_len: Annotated[int | None, _check_max_seq_len] = None
+    """The longest training sequence, in tokens (per micro-batch row; planned for micro-batches of one
+    sequence). Set, the engine places the optimizer state and the activation checkpoints itself before
+    allocating anything: it plans the model's shape on this machine (GPU memory, or `max_gpu_memory`;
+    the RAM available; the free space of `offload_dir`) at that length and sets the options left at
+    their defaults -- `offload_checkpoints` (`"auto"`), `checkpoint_interval` (`"auto"`), `host_staging`
+    (`"auto"`), `offload_state` (`"auto"`, with `offload_dir`) -- to the exact placement of the shortest
+    estimated step (logged, and in `megatrain estimate --max-seq-len`'s decisions). Options you set are
+    kept. Options that change the numbers (`checkpoint_dtype="bf16"`, `optimizer_state` other than
+    fp32, `grad_dtype="bf16"`) are never turned on: when only they would fit, attaching raises
+    `LongContextFitError` naming the longest length that fits and what fits more. A longer sequence in
+    training is logged once, or refused where the placement no longer fits it
+    ([long context](long-context.md#setting-max_seq_len)). `None`: no placement (the defaults as they
+    are)."""
 
     check_host_memory: bool = True
     """Before allocating, compare the host bytes the plan needs with the RAM available and raise

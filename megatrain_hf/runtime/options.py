@@ -47,12 +47,18 @@ class RuntimeOptions:
     of it (see docs/long-context.md); an int: that tile; `None`: never tiled. Applies to MLPs built of
     `nn.Linear` layers without dropout or hooks (mixture-of-experts blocks run whole)."""
 
-    checkpoint_interval: Annotated[int, _positive_int] = 1
+    checkpoint_interval: Annotated[int | Literal["auto"], _positive_int] = "auto"
     """Keep the activation checkpoint (the input) of every k-th decoder layer only; the backward
     recomputes the inputs of the layers in between from the last kept one (one more forward of
     those layers, their weights fetched once more) and holds them for the block's backward. `1`:
     every unit keeps its checkpoint. Cuts the checkpoint bytes (on the GPU, or on the host with
-    `offload_checkpoints`) by about k at the cost of ~(k-1)/k of a forward per step."""
+    `offload_checkpoints`) by about k at the cost of ~(k-1)/k of a forward per step. `"auto"` (the
+    default): 1, or with `max_seq_len` the interval of the placement planned for that length
+    ([long context](long-context.md))."""
+
+    def resolve_checkpoint_interval(self) -> int:
+        """``checkpoint_interval`` as a number (``"auto"`` without ``max_seq_len``'s placement: 1)."""
+        return 1 if self.checkpoint_interval == "auto" else self.checkpoint_interval
 
     compile: bool = False
     """Regional compilation: `torch.compile` of the decoder layers' shared template, compiled once

@@ -18,12 +18,20 @@ from megatrain_hf import MegaTrainConfig
 from megatrain_hf.core.layout import TensorSpec, lay_out
 from megatrain_hf.memory.host_tiers import host_tiers
 from megatrain_hf.errors import (AttentionKernelError, DiskSpaceError, HostMemoryError, IncompatibleOptionsError,
-                                  MegatrainError)
+                                  LongContextFitError, MegatrainError)
+from megatrain_hf.memory.shapes import PRESETS
 from megatrain_hf.memory.host import DEFAULT_HEADROOM_BYTES
 from megatrain_hf.plan import ADJUSTMENTS, RULES, Machine, OptimizerChoice, Run, check, resolve
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 HIDDEN, LAYERS = 256, 4
+G = 2**30
+H100 = dict(device=CUDA, cuda=True, gpu_memory=79 * G, ram_available=125 * G)  # max_seq_len's rows: the 7 B's shape
+
+
+def shape():
+    """The shape ``max_seq_len``'s placement plans (the engine's: the model's config)."""
+    return PRESETS["llama-7b"]
 
 
 def sizes(compute: torch.dtype):
@@ -106,6 +114,9 @@ ROWS = [
      ("refused", HostMemoryError, r"(?s)megatrain needs [\d.]+ MiB of host RAM .*short by +1 B\n")),
     ("disk short", dict(offload_dir="DIR", offload_state="moments"), dict(disk_free=2**20), {},
      ("refused", DiskSpaceError, r"disk tier needs [\d.]+ MiB .* but its filesystem has 1\.00 MiB free")),
+    ("max_seq_len that only inexact options fit", dict(max_seq_len=524288), H100, dict(bf16=True),
+     ("refused", LongContextFitError, r"max_seq_len=524288\).*longest that fits is 2\d{5} tokens.*Fix: "
+                                      r"checkpoint_dtype='bf16' \(not exact\) fits \d+ tokens.*max_seq_len=2\d{5}\.")),
     # ------------------------------------------------------------------ adjusted
     ("compute auto follows bf16", {}, {}, dict(bf16=True),
      ("adjusts", "compute_dtype auto", lambda p: p.precision.compute == torch.bfloat16)),
@@ -133,6 +144,9 @@ ROWS = [
      ("adjusts", "threads", lambda p: p.optimizer.threads == 7)),
     ("chunked loss auto at attach", {}, {}, {},
      ("adjusts", "chunked_loss auto", lambda p: p.loss.chunked is False)),
+    ("max_seq_len places the checkpoints", dict(max_seq_len=262144), H100, dict(bf16=True),
+     ("adjusts", "max_seq_len placement", lambda p: (p.activations.offload_checkpoints, p.activations.checkpoint_interval,
+                                                     p.host.staging) == (True, 8, False))),
 ]
 
 
@@ -147,10 +161,10 @@ def test_the_plan_refuses_or_adjusts(tmp_path, name, options, machine, run, expe
     kind, what, detail = expected
     if kind == "refused":
         with pytest.raises(what, match=detail) as info:
-            resolve(config, machine, run, sizes)
+            resolve(config, machine, run, sizes, shape)
         assert isinstance(info.value, MegatrainError)
         return
-    plan = resolve(config, machine, run, sizes)
+    plan = resolve(config, machine, run, sizes, shape)
     assert what in [key for key, _ in plan.adjustments], plan.adjustments
     assert detail(plan), plan
 
