@@ -498,6 +498,7 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
     if c.host_threads is None:
         notes.append(("threads", f"{machine.cpus}"))
     streams = machine.device.type == "cuda" or run.emulated_streams
+    residency = _residency(c, machine, run, compute, units, notes)
     plan = TrainingPlan(
         config, machine, run, PrecisionPlan(compute, grads),
         OptimizerPlan(moments, c.resolve_host_adamw_kernel(machine.device), c.device_update,
@@ -511,8 +512,7 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
                        torch.finfo(compute).bits // 8, budget,
                        torch.bfloat16 if c.checkpoint_dtype == "bf16" else None, c.offload_dir),
         LossPlan(c.chunked_loss is True, c.loss_chunk_tokens), tuple(notes),
-        CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None,
-        _residency(c, machine, run, compute, units, notes))
+        CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None, residency)
     for key, detail in notes:
         logger.log(logging.INFO if key in ("staging dropped", "state to disk") else logging.DEBUG,
                    "megatrain plan: %s x %s: %s%s", *ADJUSTMENTS[key][0], ADJUSTMENTS[key][1],

@@ -116,7 +116,8 @@ def estimate_main(argv: list[str] | None = None) -> int:
         else:
             available, source = available_host_bytes(), "available on this machine now"
         disk_free, where = _disk_free(args)
-        training = shape_plan(args, shape, available, disk_free)  # the engine's refusals, its decisions
+        # the engine's refusals, its decisions; the resident units fit what the streamed step leaves of the GPU
+        training = shape_plan(args, shape, available, disk_free, plan.gpu_total)
     except ValueError as exc:
         print(f"megatrain estimate: error: {exc}", file=sys.stderr)
         return 2

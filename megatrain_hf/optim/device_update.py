@@ -178,12 +178,6 @@ class DeviceShareScheduler:
         if self._grad_sink is not None:
             self._grad_sink.take_device_grads()  # this step's copies: not needed, freed
 
-    def export(self) -> None:
-        """(the host flats hold the whole state after every update)"""
-
-    def imported(self, u: int | None = None) -> None:
-        """(nothing lives on the device between steps)"""
-
     # ------------------------------------------------------------------ workers
     def _drain(self, _wake) -> None:
         self._drain_lists(self._queue, self._device_queue, on_device=False)

@@ -211,7 +211,7 @@ class HostAdamW(torch.optim.Optimizer):
         with self.moments.unit_state(u, write) as tensors:
             yield tensors
         if write:
-            self.scheduler.imported(u)
+            self._scheduler_hook("imported", u)
 
     def state_dict(self):
         """torch AdamW's layout; compressed moments are expanded to fp32 copies, moments on disk read into RAM
@@ -252,7 +252,7 @@ class HostAdamW(torch.optim.Optimizer):
                             # no saved state: a fresh start, as torch's AdamW would make
                             value = src[key].reshape(e.shape) if key in src else torch.zeros(e.shape)
                             states[id(e.tensor)].assign(k, value)
-        self.scheduler.imported()
+        self._scheduler_hook("imported", None)
 
     # ------------------------------------------------------------------ the step
     def set_clip_coef(self, coef: torch.Tensor | None) -> None:
@@ -334,7 +334,13 @@ class HostAdamW(torch.optim.Optimizer):
         """Wait for the background update of the last ``step()``; re-raise its failure. The host flats then
         hold the whole state (resident units' is copied down)."""
         self._finish_update()
-        self.scheduler.export()
+        self._scheduler_hook("export")
+
+    def _scheduler_hook(self, name: str, *args) -> None:
+        """A scheduler's optional ``export()`` / ``imported(u)`` (state kept elsewhere than the host flats)."""
+        hook = getattr(self.scheduler, name, None)
+        if hook is not None:
+            hook(*args)
 
     def _finish_update(self) -> None:
         self.scheduler.wait()

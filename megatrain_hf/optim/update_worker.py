@@ -9,8 +9,8 @@
 * :class:`HostWorker`: the default scheduler, one host thread running the jobs in forward order
   (unit 0 first) and reading the disk tier ahead of them. A scheduler is the public hook through
   which the update is spread otherwise (``device_update.DeviceShareScheduler``); it has
-  ``dispatch(jobs)``, ``wait()``, ``alive()``, ``skipped()``, ``export()``, ``imported(u)``,
-  ``take_update_stats()`` and ``close()``.
+  ``dispatch(jobs)``, ``wait()``, ``alive()``, ``skipped()``, ``take_update_stats()`` and ``close()``, and
+  optionally ``export()`` / ``imported(u)`` where it keeps state outside the host flats (``resident_update.py``).
 """
 
 from __future__ import annotations
