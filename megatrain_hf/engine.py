@@ -36,6 +36,7 @@ from .core.activation_offload import CheckpointOffload
 from .core.checkpoint_disk import DiskCheckpoints
 from .runtime.activation_inputs import DeviceHome, DiskHome, HostHome
 from .core.patcher import Patcher
+from .core.resident import ResidentState
 from .core.sharding import UnitSharding
 from .core.store import HostStore, alias
 from .core.streamer import Streamer
@@ -127,6 +128,7 @@ class Engine:
             deferred.finish(model)
         self.streams = streams if streams is not None else streams_for(device)
         self.streamer = Streamer(self.store, device, self.stats, self.streams)
+        self.resident = ResidentState.build(self.store, self.streamer, plan.residency.units, device, dtype)
         self.grads = GradSink(self.store, self.stats, self.streams, host_threads=self.host_threads)
         self.grad_keeper = None  # device_update: the device sums kept for the device's share of the update
         if plan.optimizer.device_update:
@@ -212,7 +214,7 @@ class Engine:
         patcher.hook(model, model.register_forward_pre_hook(
             lambda *args: (engine := engine_ref()) is not None and engine.adopt_unit_forwards()))
         install_model(patcher, model, [u.module for u in self.units], self.device, self.synchronize,
-                      self.store.mark_dirty, self._check_state_readable if self.store.remote else None,
+                      self.mark_dirty, self._check_state_readable if self.store.remote else None,
                       frozenset(id(e.tensor) for u in self.store.remote for e in self.store.owned_trainable(u)))
         self._install_chunked_loss(unwrap(model))
         if self.sharding is not None and any(map(self.store.n_train, range(len(self.units)))):
@@ -270,6 +272,12 @@ class Engine:
     def _on_optimizer_step(self, optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if getattr(optimizer, "marks_store_dirty", False):
             return  # HostAdamW marks exactly the units it updated
+        if self.resident is not None and any(self.store.home_of(p) is not None for g in optimizer.param_groups
+                                             for p in g["params"]):
+            raise IncompatibleOptionsError(
+                f"megatrain: {type(optimizer).__name__} stepped the host copies of units kept on the device "
+                f"(resident_units={self.config.resident_units}); only HostAdamW updates them there. Fix: "
+                "engine.host_optimizer(AdamW(...)) (or Trainer's AdamW), or attach with resident_units=0.")
         for group in optimizer.param_groups:
             if any(self.store.home_of(p) is not None for p in group["params"][:1]):
                 self.store.mark_dirty()
@@ -284,10 +292,12 @@ class Engine:
         """
         self.grads.wait()
         self.store.gates.synchronize()
+        if self.resident is not None:
+            self.resident.sync_down()  # the host flats hold the resident units' masters and moments
 
     def mark_dirty(self) -> None:
         """Call after changing parameters in place through ``.data`` (nothing else needs it)."""
-        self.store.mark_dirty()
+        (self.resident or self.store).mark_dirty()
 
     def host_optimizer(self, optimizer: torch.optim.Optimizer):
         """A HostAdamW with ``optimizer``'s groups and hyper-parameters (a plain AdamW), built from the plan:

@@ -98,6 +98,7 @@ class Run:
     emulated_streams: bool = False  # the CUDA transfer pipelines emulated on the CPU (tests)
     seq_len: int | None = None  # the longest training sequence seen so far (the engine, per new maximum)
     attention: str | None = None  # the model's attention kernel (config._attn_implementation)
+    gpu_working_set: int | None = None  # the streamed step's GPU bytes (megatrain estimate's plan), for residency
 
 
 # ---------------------------------------------------------------------------------- the plan's sections
@@ -170,6 +171,16 @@ class CompilePlan:
 
 
 @dataclass(frozen=True)
+class ResidencyPlan:
+    """Units kept whole on the compute device (``core/resident.py``): masters, gradients and moments there."""
+
+    units: frozenset[int] = frozenset()  # placed: the first ones in forward order
+    fit: int | None = None  # how many the GPU budget holds (None: no budget known)
+    budget: int | None = None  # bytes the resident units may take (the budget less the step's working set)
+    device_bytes: int = 0  # what the placed units take on the device
+
+
+@dataclass(frozen=True)
 class TrainingPlan:
     """Every decision of one engine, in the sections its components take (built by :func:`resolve`)."""
 
@@ -187,6 +198,7 @@ class TrainingPlan:
     adjustments: tuple[tuple[str, str], ...] = field(default=())  # (ADJUSTMENTS key, detail): what the plan changed
     compile: CompilePlan | None = None  # regional compilation of the layer templates; None: eager
     long_context: JointPlan | None = None  # max_seq_len: the placement planned at that length
+    residency: ResidencyPlan = field(default=ResidencyPlan())
 
     def check_length(self, seq_len: int, longest_before: int = 0) -> None:
         """A training sequence longer than any before (``longest_before``): beyond ``max_seq_len`` it is logged
@@ -222,6 +234,10 @@ class _Facts:
     def host_adamw(self) -> bool | None:  # HostAdamW updates the host state (None: the optimizer is not known)
         o, c = self.run.optimizer, self.config
         return None if o is None else o.host or (o.convertible and c.replace_adamw and not o.kept)
+
+    @property
+    def resident(self) -> bool:  # resident units asked for by count (an int >= 1)
+        return self.config.resident_units != "auto" and self.config.resident_units > 0
 
     @property
     def masters_on_disk(self) -> bool:
@@ -286,6 +302,12 @@ def _eager_at_long_context(f: _Facts) -> str:
             "flash-attn; packed batches through position_ids, without a mask); for Gemma 2's attention soft-capping, "
             "'flash_attention_2' or 'flex_attention' keep it (sdpa drops it); or train shorter sequences "
             f"(< {LONG_CONTEXT_TOKENS} tokens).")
+
+
+def _resident_needs(what: str, fix: str) -> Callable[[_Facts], str]:
+    return lambda f: (f"MegaTrainConfig(resident_units={f.config.resident_units!r}) keeps those units' fp32 masters, "
+                      f"gradients and AdamW moments on the device, updated there by HostAdamW, but {what}. Fix: {fix}, "
+                      "or resident_units=0 (every unit streams).")
 
 
 RULES: tuple[Rule, ...] = (
@@ -362,6 +384,32 @@ RULES: tuple[Rule, ...] = (
          lambda f: f"megatrain data parallelism over {f.machine.world_size} ranks needs its HostAdamW (each rank "
                    f"updates the units it owns), but {_why_not_host_adamw(f)}. Fix: {_host_adamw_fix(f)}, or "
                    "data_parallel=False (each rank trains alone), or run one process."),
+    Rule(("resident_units", "machine: CUDA"),
+         lambda f: f.resident and f.machine is not None and f.machine.device.type == "cuda",
+         _resident_needs("the CUDA path of resident units is not built yet (gradients would need a device "
+                         "`.grad` of a host parameter, which torch refuses; docs/log.md)",
+                         "train on CUDA with resident_units='auto' (0 there for now)")),
+    Rule(("resident_units", "an optimizer other than HostAdamW"),
+         lambda f: f.resident and (not f.config.replace_adamw or f.host_adamw is False),
+         lambda f: _resident_needs(
+             "replace_adamw=False keeps torch's AdamW" if not f.config.replace_adamw else _why_not_host_adamw(f),
+             "replace_adamw=True" if not f.config.replace_adamw else _host_adamw_fix(f))(f)),
+    Rule(("resident_units", "data parallelism"),
+         lambda f: f.resident and f.sharded,
+         _resident_needs("data parallelism keeps each unit's state on its owner rank's host",
+                         "data_parallel=False (each rank trains alone)")),
+    Rule(("resident_units", "device_update"),
+         lambda f: f.resident and f.config.device_update,
+         _resident_needs("device_update moves the state of its share up and down every step", "device_update=False")),
+    Rule(("resident_units", "offload_dir"),
+         lambda f: f.resident and f.config.offload_dir is not None,
+         _resident_needs("offload_dir pages the moments through the disk tier", "offload_dir=None")),
+    Rule(("resident_units", "optimizer_state"),
+         lambda f: f.resident and f.config.optimizer_state != "fp32",
+         _resident_needs(f"the device update keeps fp32 moments", "optimizer_state='fp32'")),
+    Rule(("resident_units", "grad_dtype='bf16'"),
+         lambda f: f.resident and f.config.grad_dtype != "fp32",
+         _resident_needs("the device gradients are fp32 accumulators", "grad_dtype='fp32'")),
     Rule(("compile_mode", "CUDA graphs"),
          lambda f: f.config.compile and f.config.compile_mode in CUDA_GRAPH_MODES,
          lambda f: f"MegaTrainConfig(compile_mode={f.config.compile_mode!r}) (TrainingArguments.torch_compile_mode) "
@@ -399,6 +447,10 @@ ADJUSTMENTS: dict[str, tuple[tuple[str, str], str]] = {
     "device grads under a budget": (("device_update", "max_gpu_memory"), "the device's units do not keep their "
                                     "gradients on the GPU (no room is planned for them)"),
     "threads": (("host_threads=None", "machine: CPUs"), "every CPU this process may run on"),
+    "resident auto": (("resident_units='auto'", "machine: device, GPU budget"), "0 on the CPU; on CUDA the count "
+                      "that fits the budget less the step's working set is reported, 0 placed (not built on CUDA)"),
+    "resident clamped": (("resident_units", "the model's units"), "a count above the number of units keeps every "
+                         "unit resident"),
     "chunked_loss auto": (("chunked_loss='auto'", "entry point"), "off at attach; the Trainer integration turns it "
                           "on under plain transformers.Trainer"),
     "max_seq_len placement": (("max_seq_len", "machine: GPU, RAM, disk"), "offload_checkpoints, checkpoint_interval, "
@@ -444,10 +496,11 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
         notes.append(("data_parallel auto", f"{machine.world_size} ranks"))
     grads = torch.bfloat16 if c.grad_dtype == "bf16" else torch.float32
     staging, tiers = c.host_staging is not False, DiskTier(False)
-    if sizes is not None:
+    units = sizes(compute) if sizes is not None else None
+    if units is not None:
         masters_possible = compute != torch.float32 and c.host_staging is not False and not f.sharded
         staging, tiers = disk_memory.place_tiers(
-            sizes(compute), compute, c.host_staging, moments.mode if moments else None, c.offload_dir,
+            units, compute, c.host_staging, moments.mode if moments else None, c.offload_dir,
             c.offload_state, machine.ram_available if c.check_host_memory else None, machine.disk_free,
             masters_possible, grads, c.offload_window)
     if compute == torch.float32 and c.host_staging is not False:
@@ -467,6 +520,7 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
     if c.host_threads is None:
         notes.append(("threads", f"{machine.cpus}"))
     streams = machine.device.type == "cuda" or run.emulated_streams
+    residency = _residency(c, machine, run, compute, units, notes)
     plan = TrainingPlan(
         config, machine, run, PrecisionPlan(compute, grads),
         OptimizerPlan(moments, c.resolve_host_adamw_kernel(machine.device), c.device_update,
@@ -480,7 +534,7 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
                        torch.finfo(compute).bits // 8, budget,
                        torch.bfloat16 if c.checkpoint_dtype == "bf16" else None, c.offload_dir),
         LossPlan(c.chunked_loss is True, c.loss_chunk_tokens), tuple(notes),
-        CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None, joint)
+        CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None, joint, residency)
     for key, detail in notes:
         logger.log(logging.INFO if key in ("staging dropped", "state to disk", "max_seq_len placement") else logging.DEBUG,
                    "megatrain plan: %s x %s: %s%s", *ADJUSTMENTS[key][0], ADJUSTMENTS[key][1],
@@ -551,3 +605,39 @@ def check_length(plan: TrainingPlan, seq_len: int, longest_before: int = 0) -> N
         f"{seq_len} tokens on this machine; refused before its forward allocates. Fix: max_seq_len={seq_len} (or "
         f"the longest sequence of the data: the placement is planned for it at attach), or truncate the sequences "
         f"to {c.max_seq_len} tokens (the tokenizer's max_length, or the collator).")
+
+
+def unit_device_bytes(size: UnitSizes, compute: torch.dtype) -> int:
+    """Device bytes of one resident unit: fp32 master, gradient and two moments (16 B per trainable element),
+    the compute-dtype copy of its streamed matrices, its frozen flats."""
+    copy = size.n_staged * (torch.finfo(compute).bits // 8) if compute != torch.float32 else 0
+    frozen = sum(n * torch.empty((), dtype=dtype).element_size() for dtype, n in size.frozen.items())
+    return 16 * size.n_train + copy + frozen
+
+
+def _residency(c: MegaTrainConfig, machine: Machine, run: Run, compute: torch.dtype, units: list[UnitSizes] | None,
+               notes: list[tuple[str, str]]) -> ResidencyPlan:
+    """Which units stay whole on the device: ``resident_units``' count, or under ``"auto"`` the first units in
+    forward order while their :func:`unit_device_bytes` fit the GPU budget (``max_gpu_memory``, else the CUDA
+    device's memory) less the streamed step's working set (``run.gpu_working_set``, when known)."""
+    budget = c.gpu_memory_bytes()
+    if budget is None and machine.device.type == "cuda" and torch.cuda.is_available():
+        budget = torch.cuda.get_device_properties(machine.device).total_memory
+    room = None if budget is None else max(0, budget - (run.gpu_working_set or 0))
+    costs = [unit_device_bytes(size, compute) for size in units] if units is not None else None
+    fit = None
+    if room is not None and costs is not None:
+        fit, used = 0, 0
+        while fit < len(costs) and used + costs[fit] <= room:
+            used += costs[fit]
+            fit += 1
+    if c.resident_units == "auto":
+        placed = 0
+        if machine.device.type == "cuda":
+            notes.append(("resident auto", f"{fit} of {len(costs)} unit(s) fit {room / 2**30:.2f} GiB; 0 placed"
+                          if fit is not None else "no GPU budget known"))
+    else:
+        placed = c.resident_units if costs is None else min(c.resident_units, len(costs))
+        if placed < c.resident_units:
+            notes.append(("resident clamped", f"{c.resident_units} asked, {placed} units"))
+    return ResidencyPlan(frozenset(range(placed)), fit, room, sum(costs[:placed]) if costs is not None else 0)

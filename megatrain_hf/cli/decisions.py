@@ -42,15 +42,17 @@ def config_of(args) -> MegaTrainConfig:
         offload_dir=args.offload_dir, offload_state=args.offload_state, offload_window=args.offload_window)
 
 
-def shape_plan(args, shape: ModelShape, ram_available: int, disk_free: int | None) -> tuple[TrainingPlan, str | None]:
+def shape_plan(args, shape: ModelShape, ram_available: int, disk_free: int | None,
+               gpu_working_set: int | None = None) -> tuple[TrainingPlan, str | None]:
     """(the plan of ``shape`` on the machine the flags describe, the engine's refusal for lack of RAM or
-    disk or None). Raises what the engine refuses for options that do not combine."""
+    disk or None). Raises what the engine refuses for options that do not combine. ``gpu_working_set``: the
+    streamed step's GPU bytes (the memory plan's), which the resident units' budget leaves free."""
     config = config_of(args)
     gpu = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
     machine = Machine(torch.device("cuda"), cuda=True, world_size=args.world_size, ram_available=ram_available,
                       disk_free=disk_free, cpus=config.resolve_host_threads(),
                       grad_dtype_tensors=hasattr(torch.Tensor, "grad_dtype"), gpu_memory=gpu)
-    run = Run(bf16=args.dtype == "bf16", grad_accum=args.grad_accum)
+    run = Run(bf16=args.dtype == "bf16", grad_accum=args.grad_accum, gpu_working_set=gpu_working_set)
     if args.disk_gib is not None and args.offload_dir is None:  # a tier planned on --disk-gib alone
         what_if = copy.copy(config)
         what_if.offload_dir = "(--disk-gib)"  # planning only: the rules read whether it is set
@@ -110,7 +112,18 @@ def decisions(plan: TrainingPlan) -> list[tuple[str, str]]:
             act.offload_checkpoints, "auto (the GPU budget decides)") + f", every {act.checkpoint_interval} unit(s)"),
         ("MLP tiles", f"sequence_tile_tokens={act.tile_tokens!r}"),
         ("chunked loss", "on" if plan.loss.chunked else "off at attach"),
+        ("resident units", _resident(plan)),
     ]
+
+
+def _resident(plan: TrainingPlan) -> str:
+    """How many units stay whole on the device, and how many the GPU budget would hold."""
+    r = plan.residency
+    if r.fit is None:
+        return f"{len(r.units)} (no GPU budget given: --gpu-gib)" if not r.units else f"{len(r.units)} placed"
+    room = f"{r.fit} fit {gib(r.budget)} GiB (the GPU budget less the streamed step's {gib(plan.run.gpu_working_set or 0)})"
+    return f"{len(r.units)} placed; {room}" + ("; 0 placed on CUDA until its path is built"
+                                               if plan.config.resident_units == "auto" and r.fit else "")
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 
@@ -105,6 +106,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
         else:
             available, source = available_host_bytes(), "available on this machine now"
         disk_free, where = _disk_free(args)
+        given = copy.copy(args)
         training = shape_plan(args, shape, available, disk_free)  # the engine's refusals, its decisions
         _take_placement(args, training[0])
         plan = plan_memory(
@@ -126,6 +128,9 @@ def estimate_main(argv: list[str] | None = None) -> int:
             grad_dtype=args.grad_dtype,
         )
         ranks = plan_ranks(plan, args.world_size, args.nodes, host_staging=args.host_staging)
+        # the engine's decisions again, the resident units fitted to what the streamed step leaves of the GPU (the
+        # flags as given: the placement taken above is the plan's own)
+        training = shape_plan(given, shape, available, disk_free, plan.gpu_total)
     except ValueError as exc:
         print(f"megatrain estimate: error: {exc}", file=sys.stderr)
         return 2

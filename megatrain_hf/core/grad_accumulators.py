@@ -10,6 +10,9 @@ bf16, and an fp32 accumulator would hold the same values -- so a second contribu
 an fp32 gradient, raises instead of rounding. The last unit (the head) keeps fp32 accumulators: the
 chunked loss sums its weight gradient over chunks in fp32.
 
+A resident unit's accumulator is a flat on the compute device instead (``device_flats``, set by
+``resident.py``); :meth:`region` hands out its slices the same way.
+
 ``param.grad`` is a view of the accumulator (torch's ``Tensor.grad_dtype`` lets a bf16 view be the
 gradient of an fp32 parameter); ``zero_grad(set_to_none=True)`` drops the view and the next
 gradient starts the region afresh.
@@ -43,6 +46,7 @@ class GradAccumulators:
         self.store = store
         self.grad_dtype = grad_dtype
         self.low_units = low_precision_units(len(store.entries), grad_dtype)
+        self.device_flats: dict[int, torch.Tensor] = {}  # resident units' fp32 accumulators on the device (resident.py)
 
     def allocate(self, u: int, bufs, n_train: int, n_staged: int) -> None:
         low = u in self.low_units and n_staged > 0
@@ -76,6 +80,9 @@ class GradAccumulators:
     def region(self, e: Entry) -> torch.Tensor:
         """Entry ``e``'s slice of its owner's gradient accumulator (flat; bf16 where :meth:`is_low`)."""
         bufs = self.store.buffers[e.owner]
+        device = self.device_flats.get(e.owner)
+        if device is not None:
+            return device[e.offset : e.offset + e.numel]
         if bufs.grad_low is None:
             return bufs.grad_host[e.offset : e.offset + e.numel]
         if e.offset < bufs.n_staged:
@@ -112,8 +119,8 @@ class GradAccumulators:
         if region.dtype != torch.float32:
             self.check_single(entry, grad, name)
         grad_host = grad.detach().reshape(-1)
-        if grad_host.device.type != "cpu":
-            grad_host = grad_host.to("cpu")
+        if grad_host.device != region.device:
+            grad_host = grad_host.to(region.device)
         # copy_/add_ convert a bf16 gradient to fp32 on the fly (no temporary fp32 copy)
         if param.grad is None:
             if not _is_region(grad_host, region):  # else computed in the accumulator (runtime/grads_in_place.py)

@@ -165,6 +165,7 @@ class HostStore:
                         else NoStaging(self))
         self.accumulators = GradAccumulators(self, grad_dtype)
         self.ownership = (ownership or LocalOwnership()).bind(self)
+        self.resident = None  # the resident units' device state (resident.py), set by the engine when the plan has some
         self.tier_files = None  # the disk tier's files (moments, masters), if ``on_unit`` made them (optim/tier_files.py)
         self._allocate(sources, ranges, stored_quantized, on_unit)
         self.gates = UnitGates(self.names)

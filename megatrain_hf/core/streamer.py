@@ -15,6 +15,8 @@ copies of unit buffers (uploaded once, e.g. Gemma3's ``embed_scale``). Before re
 host flats the streamer waits until no background optimizer update is writing them; an upload
 issued before the masters changed is dropped (``gates.generation``).
 
+A unit the plan keeps on the device (``resident.py``) is read from its device flats: no copy.
+
 Quantized frozen weights (``quant.py``) cross the link as bytes and are dequantized on the compute
 stream when the unit is fetched, into one device flat per unit in the compute dtype (the template
 binds views of it); the dequantized flat lives as long as the fetched unit stays resident, and the
@@ -63,6 +65,7 @@ class Streamer:
         self._owners = [sorted({owner for owner, _ in sources}) for sources in self._sources]
         self._quantized = [[e for e in entries if e.quant is not None] for entries in store.entries]
         self._dequantized: tuple[_Upload, dict[str, torch.Tensor]] | None = None  # of the resident unit
+        self.device_state = None  # a ResidentState (resident.py): the units whose flats stay on the device
 
     @property
     def copy_stream(self):
@@ -83,6 +86,9 @@ class Streamer:
         flats: dict[tuple, tuple[torch.Tensor, int]] = {}
         with self.uploads.batch() as batch:
             for owner, key in self._sources[u]:
+                if self.device_state is not None and owner in self.device_state.units:  # on the device already
+                    flats[(owner, key)] = self.device_state.source(owner, key)
+                    continue
                 host, base = self.store.source(owner, key)
                 flats[(owner, key)] = (batch.copy(host, key[1]), base)
         return _Upload(flats, batch.ready, self._generation(u))

@@ -51,6 +51,13 @@ def _check_max_seq_len(name: str, value) -> None:
             "int >= 1 (e.g. 131072).")
 
 
+def _check_resident(name: str, value) -> None:
+    if value != "auto" and (type(value) is not int or value < 0):
+        raise MegatrainConfigError(
+            f"MegaTrainConfig.{name}={value!r}; allowed: 'auto' (the plan decides from the GPU budget), 0 (off: "
+            "every unit streams) or an int >= 1 (that many units, in forward order, kept whole on the device).")
+
+
 @dataclass(kw_only=True)
 class MemoryOptions:
     pin_memory: bool | Literal["auto"] = "auto"
@@ -165,6 +172,20 @@ class MemoryOptions:
     'megatrain_hf[aio]'` and libaio-dev), faster on the development machine's disk but blind to an
     I/O error the device reports inside a request, refused with the reason where it cannot run;
     `"auto"`: DeepSpeed's where it can run, else the threads (logged)."""
+
+    resident_units: Annotated[int | Literal["auto"], _check_resident] = "auto"
+    """Units (in forward order: the embedding, then the decoder layers) kept whole on the compute device:
+    their fp32 masters, gradients and AdamW moments live there and HostAdamW updates them there (torch's
+    AdamW kernel, the same clip multiply and non-finite skip as the host update), so they are never
+    streamed; the rest streams from the host as usual. Exact: every loss and weight equals the streamed
+    run's, and checkpoints are the same files (the device state is copied down before a save or
+    `state_dict`, and up after a load). Costs 16 B per trainable parameter of those units on the device
+    (plus their compute-dtype copy and frozen weights). `"auto"`: as many units as fit the GPU budget
+    (`max_gpu_memory`, less the streamed step's working set) -- printed by `megatrain estimate
+    --gpu-gib`; 0 on the CPU, and 0 on CUDA until the CUDA path is built (docs/log.md); an int: that
+    many (the CPU is the "device" in tests); `0`: off. Needs megatrain's HostAdamW with fp32 moments in
+    RAM and fp32 gradient accumulators; refused with data parallelism, `device_update`, `offload_dir`
+    and on CUDA (not built yet)."""
 
     def gpu_memory_bytes(self) -> int | None:
         """``max_gpu_memory`` in bytes (None without a budget)."""

@@ -22,6 +22,7 @@ NOTE: it subclasses ``torch.optim.Optimizer`` so that HF's LR schedulers, ``zero
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Callable
@@ -96,6 +97,14 @@ class HostAdamW(torch.optim.Optimizer):
         self._skip_next = False
         self.skipped_steps = 0  # updates skipped through skip_next_step() (non-finite gradients)
         self.updater = UnitUpdater(store, self.moments, self._kernel)
+        if store.resident is not None:  # units kept on the device (core/resident.py): updated there
+            if scheduler is not None:
+                raise UsageError("HostAdamW: this model keeps units resident on the device (resident_units), whose "
+                                 "update runs in megatrain's resident scheduler; scheduler= cannot replace it. Fix: "
+                                 "leave scheduler unset, or attach with resident_units=0.")
+            from .resident_update import ResidentWorker
+
+            scheduler = ResidentWorker.factory(store.resident)
         self.scheduler = (scheduler or HostWorker)(self.updater, store.gates, host_threads or torch.get_num_threads())
 
     @classmethod
@@ -195,10 +204,14 @@ class HostAdamW(torch.optim.Optimizer):
         """Unit ``u``'s contiguous state tensors: name -> (elements, dtype); the disk tier pages these as bytes."""
         return self.moments.spec(u)
 
+    @contextlib.contextmanager
     def unit_state(self, u: int, write: bool = False):
         """Unit ``u``'s state tensors, resident while the block runs (no update running: after :meth:`synchronize`);
         ``write=True``: what the block changed is kept (written back when the state is on disk)."""
-        return self.moments.unit_state(u, write)
+        with self.moments.unit_state(u, write) as tensors:
+            yield tensors
+        if write:
+            self._scheduler_hook("imported", u)
 
     def state_dict(self):
         """torch AdamW's layout; compressed moments are expanded to fp32 copies, moments on disk read into RAM
@@ -239,6 +252,7 @@ class HostAdamW(torch.optim.Optimizer):
                             # no saved state: a fresh start, as torch's AdamW would make
                             value = src[key].reshape(e.shape) if key in src else torch.zeros(e.shape)
                             states[id(e.tensor)].assign(k, value)
+        self._scheduler_hook("imported", None)
 
     # ------------------------------------------------------------------ the step
     def set_clip_coef(self, coef: torch.Tensor | None) -> None:
@@ -265,7 +279,7 @@ class HostAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.synchronize()
+        self._finish_update()
         self.moments.before_step()
         self.store.ownership.finish_grads(self.store)  # (data parallelism: the owners' sums become means)
         clip, self._clip = self._clip, None
@@ -317,13 +331,24 @@ class HostAdamW(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ lifetime
     def synchronize(self) -> None:
-        """Wait for the background update of the last ``step()``; re-raise its failure."""
+        """Wait for the background update of the last ``step()``; re-raise its failure. The host flats then
+        hold the whole state (resident units' is copied down)."""
+        self._finish_update()
+        self._scheduler_hook("export")
+
+    def _scheduler_hook(self, name: str, *args) -> None:
+        """A scheduler's optional ``export()`` / ``imported(u)`` (state kept elsewhere than the host flats)."""
+        hook = getattr(self.scheduler, name, None)
+        if hook is not None:
+            hook(*args)
+
+    def _finish_update(self) -> None:
         self.scheduler.wait()
         self.store.gates.raise_error()
         self.moments.flush()  # the disk tier's write-backs too: the files then hold the step's state
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        zero_grad_after(self.synchronize, super().zero_grad, set_to_none)
+        zero_grad_after(self._finish_update, super().zero_grad, set_to_none)
 
     def close(self) -> None:
         """Stop the worker thread (after finishing pending updates)."""

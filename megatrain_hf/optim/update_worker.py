@@ -9,7 +9,8 @@
 * :class:`HostWorker`: the default scheduler, one host thread running the jobs in forward order
   (unit 0 first) and reading the disk tier ahead of them. A scheduler is the public hook through
   which the update is spread otherwise (``device_update.DeviceShareScheduler``); it has
-  ``dispatch(jobs)``, ``wait()``, ``alive()``, ``skipped()``, ``take_update_stats()`` and ``close()``.
+  ``dispatch(jobs)``, ``wait()``, ``alive()``, ``skipped()``, ``take_update_stats()`` and ``close()``, and
+  optionally ``export()`` / ``imported(u)`` where it keeps state outside the host flats (``resident_update.py``).
 """
 
 from __future__ import annotations
@@ -135,7 +136,11 @@ class HostWorker:
                 job = self._queue.popleft()
                 upcoming = [j.unit for j in self._queue]
             moments.prefetch(job.unit, upcoming)
-            self.board.account(job.numel, self.board.run(job, self.updater.update))
+            self.board.account(job.numel, self.board.run(job, self.update))
+
+    def update(self, job: UnitJob) -> None:
+        """(host worker) One unit's update (``resident_update.ResidentWorker`` runs its resident units elsewhere)."""
+        self.updater.update(job)
 
     def wait(self) -> None:
         self.board.wait(self.alive)
@@ -145,6 +150,12 @@ class HostWorker:
 
     def skipped(self) -> None:
         """A step that updates nothing."""
+
+    def export(self) -> None:
+        """The host flats must hold the whole state now (a ``state_dict``, a save): nothing lives elsewhere."""
+
+    def imported(self, u: int | None = None) -> None:
+        """The host moments of unit ``u`` (all if None) were written by a load: nothing to copy elsewhere."""
 
     def take_update_stats(self) -> tuple[float, int]:
         return self.board.take_update_stats()

@@ -21,7 +21,7 @@ from megatrain_hf.errors import (AttentionKernelError, DiskSpaceError, HostMemor
                                   LongContextFitError, MegatrainError)
 from megatrain_hf.memory.shapes import PRESETS
 from megatrain_hf.memory.host import DEFAULT_HEADROOM_BYTES
-from megatrain_hf.plan import ADJUSTMENTS, RULES, Machine, OptimizerChoice, Run, check, resolve
+from megatrain_hf.plan import ADJUSTMENTS, RULES, Machine, OptimizerChoice, Run, check, resolve, unit_device_bytes
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 HIDDEN, LAYERS = 256, 4
@@ -47,6 +47,11 @@ def ram(compute=torch.bfloat16, staging=True, moments="fp32", spare=0) -> int:
     """RAM that holds the tiers of :func:`sizes` (with the headroom), plus ``spare`` bytes."""
     tiers = host_tiers(sizes(compute), compute, staging=staging, optimizer_state=moments)
     return sum(tiers.values()) + DEFAULT_HEADROOM_BYTES + spare
+
+
+def resident_bytes(n: int) -> int:
+    """Device bytes of the first ``n`` units of :func:`sizes` kept resident (bf16 compute)."""
+    return sum(unit_device_bytes(s, torch.bfloat16) for s in sizes(torch.bfloat16)[:n])
 
 
 SGD = OptimizerChoice("SGD", convertible=False)
@@ -110,6 +115,23 @@ ROWS = [
     ("data parallelism with a kept optimizer", {}, dict(world_size=2), dict(optimizer=KEPT),
      ("refused", IncompatibleOptionsError, r"needs its HostAdamW .* is kept as it is\. Fix: leave optimizers=\(\.\.\.\) "
                                            r"out")),
+    ("resident units on CUDA", dict(resident_units=2), dict(device=CUDA, cuda=True), {},
+     ("refused", IncompatibleOptionsError, r"resident_units=2.*CUDA path of resident units is not built.*Fix")),
+    ("resident units with SGD", dict(resident_units=2), {}, dict(optimizer=SGD),
+     ("refused", IncompatibleOptionsError, r"resident_units=2.*the optimizer is SGD\. Fix: train with AdamW")),
+    ("resident units with replace_adamw=False", dict(resident_units=1, replace_adamw=False), {}, {},
+     ("refused", IncompatibleOptionsError, r"resident_units=1.*replace_adamw=False keeps torch's AdamW\. Fix: "
+                                           r"replace_adamw=True")),
+    ("resident units under data parallelism", dict(resident_units=2), dict(world_size=2), {},
+     ("refused", IncompatibleOptionsError, r"resident_units=2.*data parallelism.*Fix: data_parallel=False")),
+    ("resident units with device_update", dict(resident_units=2, device_update=True), {}, {},
+     ("refused", IncompatibleOptionsError, r"resident_units=2.*device_update.*Fix: device_update=False")),
+    ("resident units with a disk tier", dict(resident_units=2, offload_dir="DIR"), {}, {},
+     ("refused", IncompatibleOptionsError, r"resident_units=2.*offload_dir pages the moments.*Fix: offload_dir=None")),
+    ("resident units with compressed moments", dict(resident_units=2, optimizer_state="8bit"), {}, {},
+     ("refused", IncompatibleOptionsError, r"resident_units=2.*fp32 moments\. Fix: optimizer_state='fp32'")),
+    ("resident units with bf16 gradients", dict(resident_units=2, grad_dtype="bf16"), {}, dict(bf16=True),
+     ("refused", IncompatibleOptionsError, r"resident_units=2.*fp32 accumulators\. Fix: grad_dtype='fp32'")),
     ("RAM short", dict(host_staging=True), dict(ram_available=ram(spare=-1)), dict(bf16=True),
      ("refused", HostMemoryError, r"(?s)megatrain needs [\d.]+ MiB of host RAM .*short by +1 B\n")),
     ("disk short", dict(offload_dir="DIR", offload_state="moments"), dict(disk_free=2**20), {},
@@ -140,6 +162,13 @@ ROWS = [
     ("device_update under a GPU budget", dict(device_update=True, max_gpu_memory="8GiB"), {}, {},
      ("adjusts", "device grads under a budget", lambda p: p.optimizer.device_update
       and not p.optimizer.device_keeps_grads)),
+    ("resident auto sized by the GPU budget", dict(max_gpu_memory=resident_bytes(2) + 2**30), dict(device=CUDA, cuda=True),
+     dict(bf16=True, gpu_working_set=2**30),
+     ("adjusts", "resident auto", lambda p: p.residency.fit == 2 and p.residency.units == frozenset()
+      and p.residency.budget == resident_bytes(2))),
+    ("resident count above the units", dict(resident_units=99), {}, dict(bf16=True),
+     ("adjusts", "resident clamped", lambda p: p.residency.units == frozenset(range(LAYERS + 3))
+      and p.residency.device_bytes == resident_bytes(LAYERS + 3))),
     ("threads follow the CPUs", {}, dict(cpus=7), {},
      ("adjusts", "threads", lambda p: p.optimizer.threads == 7)),
     ("chunked loss auto at attach", {}, {}, {},
@@ -203,3 +232,25 @@ def test_every_refusal_says_what_why_and_the_fix(tmp_path):
             with pytest.raises(IncompatibleOptionsError) as info:
                 resolve(config, m, r, sizes)
             assert re.search(r"Fix|use device=|Unset", str(info.value)), (name, str(info.value))
+
+
+def test_residency_counts_units_in_forward_order():
+    """An explicit count places the first units; "auto" places none on the CPU (the streamed run unchanged)."""
+    plan = resolve(MegaTrainConfig(resident_units=3), Machine(CPU), Run(bf16=True), sizes)
+    assert plan.residency.units == frozenset({0, 1, 2}) and plan.residency.device_bytes == resident_bytes(3)
+    auto = resolve(MegaTrainConfig(), Machine(CPU), Run(bf16=True), sizes)
+    assert auto.residency.units == frozenset() and not [k for k, _ in auto.adjustments if k.startswith("resident")]
+    off = resolve(MegaTrainConfig(resident_units=0), Machine(CUDA, cuda=True), Run(bf16=True), sizes)
+    assert off.residency.units == frozenset()
+    # the budget less the working set holds 2 units and a byte short of 3
+    budget = dict(max_gpu_memory=resident_bytes(3) - 1 + 2**20)
+    tight = resolve(MegaTrainConfig(**budget), Machine(CUDA, cuda=True), Run(bf16=True, gpu_working_set=2**20), sizes)
+    assert tight.residency.fit == 2
+    roomy = resolve(MegaTrainConfig(**budget), Machine(CUDA, cuda=True), Run(bf16=True), sizes)
+    assert roomy.residency.fit == 3  # no working set known: the whole budget
+
+
+def test_resident_units_are_validated():
+    for value in (-1, "all", 1.5, True, None):
+        with pytest.raises(MegatrainError, match=r"resident_units=.*allowed: 'auto'"):
+            MegaTrainConfig(resident_units=value)
