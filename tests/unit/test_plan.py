@@ -21,7 +21,8 @@ from megatrain_hf.errors import (AttentionKernelError, DiskSpaceError, HostMemor
                                   LongContextFitError, MegatrainError)
 from megatrain_hf.memory.shapes import PRESETS
 from megatrain_hf.memory.host import DEFAULT_HEADROOM_BYTES
-from megatrain_hf.plan import ADJUSTMENTS, RULES, Machine, OptimizerChoice, Run, check, resolve, unit_device_bytes
+from megatrain_hf.placement import unit_device_bytes
+from megatrain_hf.plan import ADJUSTMENTS, RULES, Machine, OptimizerChoice, Run, check, resolve
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 HIDDEN, LAYERS = 256, 4
