@@ -124,7 +124,8 @@ class ResidualGrad:
     backward has run. The engine builds a tiled layer's graph only in a unit's recompute
     (``runtime/streamed_call.py``), whose output is dropped after ``torch.autograd.grad``; an autograd
     node that saved the output has run its backward before this one (it is downstream), and a second
-    backward over a retained graph would find the output's version changed and raise, not misread it.
+    backward over a retained graph would find the output's version changed and raise, not misread it
+    (and gets a new buffer: the output's storage is used once, it holds the first backward's result).
     """
 
     __slots__ = ("buffer",)
@@ -151,7 +152,7 @@ class TiledTokens(torch.autograd.Function):
             outs = tuple(_tile_loop(fn, args[:n_in], rows))
         # residual: None, ("give", ResidualGrad) (input 0's gradient into output 0's storage, handed over)
         # or ("take", ResidualGrad) (input 0's gradient added to the buffer handed over)
-        ctx.residual = residual
+        ctx.residual, ctx.out_used = residual, False
         ctx.out0 = weakref.ref(outs[0]) if residual is not None and residual[0] == "give" else None
         return outs
 
@@ -180,14 +181,13 @@ class TiledTokens(torch.autograd.Function):
             for k, n in enumerate(need_in):
                 if n:
                     g = grads.pop(0)
-                    # written after this tile's gradients are computed: the buffer may be the storage of
-                    # an output whose incoming gradient's other tiles are still to be read (never this one's)
+                    # after this tile's gradients are computed: the buffer may be the output's storage
                     if k == 0 and adds:
                         if g is not None:
                             grad_in[0][:, start:end] += g
                     elif g is not None:
                         grad_in[k][:, start:end] = g
-                    elif k == 0:  # the residual buffer may hold the output's values: zeros, as zeros_like has
+                    elif k == 0:  # the buffer may hold the output's values: zeros, as zeros_like would
                         grad_in[0][:, start:end] = 0
             for k, n in enumerate(need_p):
                 if n:
@@ -206,11 +206,16 @@ def _residual_buffer(ctx, x: torch.Tensor) -> torch.Tensor:
     if ctx.residual is not None and ctx.residual[0] == "take":
         handed = ctx.residual[1].take()
         return handed if handed is not None else torch.zeros_like(x)
-    out = ctx.out0() if ctx.out0 is not None else None
+    if ctx.residual is None:
+        return torch.zeros_like(x)
+    # "give": the output's storage, once (a retained graph's next backward must not overwrite the
+    # gradient this one returned)
+    out = None if ctx.out_used else ctx.out0()
+    ctx.out_used = True
     if (out is not None and out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
-            and out.is_contiguous() and x.is_contiguous()):
+            and out.is_contiguous()):
         return out.detach()  # an alias without the graph: the gradient must not carry the output's grad_fn
-    return torch.empty_like(x) if ctx.out0 is not None else torch.zeros_like(x)
+    return torch.empty_like(x)  # every tile writes its positions
 
 
 def tiled_call(fn: Callable, modules: list[nn.Module], rows: int, *inputs: torch.Tensor,
