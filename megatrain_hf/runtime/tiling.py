@@ -265,7 +265,9 @@ def tiled(layer: nn.Module, tile: int | None):
 
 def tiled_layer(recipe, layer: nn.Module, x: torch.Tensor, kwargs: dict, tile: int) -> torch.Tensor:
     """A decoder layer's forward with every per-token operation tiled (module docstring), by ``recipe``
-    (``models/layer_recipes.py``: ``pre``/``pre_modules``, ``attend``, ``post``/``post_modules``)."""
+    (``models/layer_recipes.py``: ``pre``/``pre_modules``, ``attend``, ``post``/``post_modules``). Built
+    with a graph (the engine's recompute), the output's storage takes the input's gradient during the
+    backward (:class:`ResidualGrad`): the caller does not read the output after it."""
     cos, sin = kwargs["position_embeddings"]
     widest = max(x.shape[-1], recipe.widest(layer))
     rows = tile_rows(tile, x.shape[0], widest)
