@@ -16,7 +16,9 @@ inside exists for one tile only:
   ``TiledTokens``; the attention kernel on the full q, k, v (HF's attention interface, unchanged);
   the o projection, residual add, post-attention norm and MLP in a second ``TiledTokens``. Inside
   the layer the only full-length tensors left are its input and output, q, k, v, the attention
-  output, their gradients and the attention kernel's workspace;
+  output, their gradients and the attention kernel's workspace. Both pieces read the layer's input
+  (the residual stream): its gradient is one full-length buffer, the storage of the layer's output
+  (:class:`ResidualGrad`), which the second piece's backward fills and the first piece's adds to;
 * the MLP alone (:func:`tiled`), for every other layer whose MLP is tileable.
 
 The weights are inputs of the Function (they are the recompute's leaves, so their gradients reach
@@ -29,6 +31,7 @@ memory access at 555K tokens of an 8 B model).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable
 
 import torch
@@ -106,26 +109,63 @@ def _tile_loop(fn: Callable, inputs: tuple[torch.Tensor, ...], rows: int) -> lis
     return outs
 
 
+class ResidualGrad:
+    """One full-length buffer for the gradient of the input both pieces of a tiled layer read (the
+    layer's input ``x``: the residual stream), instead of one per piece summed by autograd.
+
+    The second piece (``out = x + o(attn) + mlp(...)``) is back-propagated first: ``give`` writes its
+    part of ``dL/dx``, tile by tile, into the storage of its own forward output (the layer's output,
+    which only its ``grad_fn`` is needed for once the backward runs), hands that buffer over and
+    returns no gradient for ``x``; the first piece's backward (``take``) adds its part tile by tile
+    and returns the sum, ``dL/dx = post + pre`` as autograd's own accumulation would add them. Without
+    the output (a different dtype or shape, or no longer alive) ``give`` writes into a new buffer.
+
+    The output's storage is overwritten: the caller must not read the layer's output once its
+    backward has run. The engine builds a tiled layer's graph only in a unit's recompute
+    (``runtime/streamed_call.py``), whose output is dropped after ``torch.autograd.grad``; an autograd
+    node that saved the output has run its backward before this one (it is downstream), and a second
+    backward over a retained graph would find the output's version changed and raise, not misread it
+    (and gets a new buffer: the output's storage is used once, it holds the first backward's result).
+    """
+
+    __slots__ = ("buffer",)
+
+    def __init__(self) -> None:
+        self.buffer: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor | None:
+        buffer, self.buffer = self.buffer, None
+        return buffer
+
+
 class TiledTokens(torch.autograd.Function):
     """``fn(*inputs) -> tuple of tensors``, per-token along dim 1, over tiles of ``rows`` positions;
     the backward recomputes tile by tile (module docstring). Inputs that need no gradient (rotary
     tables) are sliced like the others."""
 
     @staticmethod
-    def forward(ctx, fn: Callable, slots: list, rows: int, autocast: tuple, n_in: int, *args: torch.Tensor):
+    def forward(ctx, fn: Callable, slots: list, rows: int, autocast: tuple, n_in: int, residual: tuple | None,
+                *args: torch.Tensor):
         ctx.fn, ctx.slots, ctx.rows, ctx.autocast, ctx.n_in = fn, slots, rows, autocast, n_in
         ctx.save_for_backward(*args)
         with torch.no_grad():
-            return tuple(_tile_loop(fn, args[:n_in], rows))
+            outs = tuple(_tile_loop(fn, args[:n_in], rows))
+        # residual: None, ("give", ResidualGrad) (input 0's gradient into output 0's storage, handed over)
+        # or ("take", ResidualGrad) (input 0's gradient added to the buffer handed over)
+        ctx.residual, ctx.out_used = residual, False
+        ctx.out0 = weakref.ref(outs[0]) if residual is not None and residual[0] == "give" else None
+        return outs
 
     @staticmethod
     def backward(ctx, *grad_outs: torch.Tensor):
         saved = ctx.saved_tensors
         inputs, params = saved[: ctx.n_in], saved[ctx.n_in :]
-        need_in = list(ctx.needs_input_grad[5 : 5 + ctx.n_in])
-        need_p = list(ctx.needs_input_grad[5 + ctx.n_in :])
-        grad_in = [torch.zeros_like(x) if n else None for x, n in zip(inputs, need_in)]
+        need_in = list(ctx.needs_input_grad[6 : 6 + ctx.n_in])
+        need_p = list(ctx.needs_input_grad[6 + ctx.n_in :])
+        grad_in = [torch.zeros_like(x) if n else None for x, n in zip(inputs[1:], need_in[1:])]
+        grad_in.insert(0, _residual_buffer(ctx, inputs[0]) if need_in[0] else None)
         sums: list[torch.Tensor | None] = [None] * len(params)
+        adds = ctx.residual is not None and ctx.residual[0] == "take"
         device_type, (enabled, dtype, cache) = inputs[0].device.type, ctx.autocast
         for start, end in _tiles(inputs[0].shape[1], ctx.rows):
             leaves = [p.detach().requires_grad_(n) for p, n in zip(params, need_p)]
@@ -141,24 +181,52 @@ class TiledTokens(torch.autograd.Function):
             for k, n in enumerate(need_in):
                 if n:
                     g = grads.pop(0)
-                    if g is not None:
+                    # after this tile's gradients are computed: the buffer may be the output's storage
+                    if k == 0 and adds:
+                        if g is not None:
+                            grad_in[0][:, start:end] += g
+                    elif g is not None:
                         grad_in[k][:, start:end] = g
+                    elif k == 0:  # the buffer may hold the output's values: zeros, as zeros_like would
+                        grad_in[0][:, start:end] = 0
             for k, n in enumerate(need_p):
                 if n:
                     g = grads.pop(0)
                     if g is not None:
                         sums[k] = g.float() if sums[k] is None else sums[k].add_(g)
         pgrads = [s.to(p.dtype) if s is not None else None for s, p in zip(sums, params)]
-        return (None, None, None, None, None, *grad_in, *pgrads)
+        if ctx.residual is not None and ctx.residual[0] == "give" and grad_in[0] is not None:
+            ctx.residual[1].buffer = grad_in[0]  # the first piece's backward adds its part and returns the sum
+            grad_in[0] = None
+        return (None, None, None, None, None, None, *grad_in, *pgrads)
 
 
-def tiled_call(fn: Callable, modules: list[nn.Module], rows: int, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _residual_buffer(ctx, x: torch.Tensor) -> torch.Tensor:
+    """The full-length buffer for input 0's gradient (:class:`ResidualGrad`)."""
+    if ctx.residual is not None and ctx.residual[0] == "take":
+        handed = ctx.residual[1].take()
+        return handed if handed is not None else torch.zeros_like(x)
+    if ctx.residual is None:
+        return torch.zeros_like(x)
+    # "give": the output's storage, once (a retained graph's next backward must not overwrite the
+    # gradient this one returned)
+    out = None if ctx.out_used else ctx.out0()
+    ctx.out_used = True
+    if (out is not None and out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
+            and out.is_contiguous()):
+        return out.detach()  # an alias without the graph: the gradient must not carry the output's grad_fn
+    return torch.empty_like(x)  # every tile writes its positions
+
+
+def tiled_call(fn: Callable, modules: list[nn.Module], rows: int, *inputs: torch.Tensor,
+               residual: tuple | None = None) -> tuple[torch.Tensor, ...]:
     """``fn(*inputs)`` over tiles of ``rows`` positions (dim 1) with :class:`TiledTokens`, the
-    parameters of ``modules`` (what ``fn`` computes with) as the Function's weights."""
+    parameters of ``modules`` (what ``fn`` computes with) as the Function's weights; ``residual``:
+    ``("give" | "take", ResidualGrad)``, the first input's gradient shared with another call."""
     bound = bound_params(modules)
     slots = [(m, name) for m, name, _ in bound]
-    return TiledTokens.apply(fn, slots, rows, autocast_state(inputs[0].device.type), len(inputs), *inputs,
-                             *[p for _, _, p in bound])
+    return TiledTokens.apply(fn, slots, rows, autocast_state(inputs[0].device.type), len(inputs), residual,
+                             *inputs, *[p for _, _, p in bound])
 
 
 def tile_rows(tile: int, batch: int, widest: int) -> int:
@@ -197,11 +265,14 @@ def tiled(layer: nn.Module, tile: int | None):
 
 def tiled_layer(recipe, layer: nn.Module, x: torch.Tensor, kwargs: dict, tile: int) -> torch.Tensor:
     """A decoder layer's forward with every per-token operation tiled (module docstring), by ``recipe``
-    (``models/layer_recipes.py``: ``pre``/``pre_modules``, ``attend``, ``post``/``post_modules``)."""
+    (``models/layer_recipes.py``: ``pre``/``pre_modules``, ``attend``, ``post``/``post_modules``). Built
+    with a graph (the engine's recompute), the output's storage takes the input's gradient during the
+    backward (:class:`ResidualGrad`): the caller does not read the output after it."""
     cos, sin = kwargs["position_embeddings"]
     widest = max(x.shape[-1], recipe.widest(layer))
     rows = tile_rows(tile, x.shape[0], widest)
-    q, k, v = tiled_call(recipe.pre(layer), recipe.pre_modules(layer), rows, x, cos, sin)
+    shared = ResidualGrad()
+    q, k, v = tiled_call(recipe.pre(layer), recipe.pre_modules(layer), rows, x, cos, sin, residual=("take", shared))
     attn = recipe.attend(layer, q, k, v, kwargs)
-    (out,) = tiled_call(recipe.post(layer), recipe.post_modules(layer), rows, x, attn)
+    (out,) = tiled_call(recipe.post(layer), recipe.post_modules(layer), rows, x, attn, residual=("give", shared))
     return out

@@ -30,9 +30,9 @@ def test_llama3_8b_preset_is_the_llama3_shape():
 
 
 def test_the_working_set_model_of_a_tiled_layer():
-    """One function: 32 h bytes per token for MHA (fp32 input, incoming and outgoing gradients, q/k/v/o and
-    their gradients in bf16, FlashAttention's fp32 dq accumulator), the fp32 log-sum-exp of every head,
-    plus one tile."""
+    """One function: 32 h bytes per token for MHA (fp32 input, incoming gradient and recomputed output, whose
+    storage takes the outgoing gradient; q/k/v/o and their gradients in bf16, FlashAttention's fp32 dq
+    accumulator), the fp32 log-sum-exp of every head, plus one tile."""
     ws = activations.long_context_working_set
     tile = 4096 * (6 * 2 * 11008 + 24 * 4096)
     assert ws(S, 4096, 4096, 4096, 11008, 2, 4096, heads=32) == S * (32 * 4096 + 4 * 32) + tile
