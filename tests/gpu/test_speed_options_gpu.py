@@ -57,7 +57,10 @@ def test_bf16_parity_liger(tmp_path):
     saved = (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP,
              modeling_llama.LlamaForCausalLM.forward)
     try:
-        model = _pair(tmp_path, "bf16_parity_liger_llama", use_liger_kernel=True)
+        # plain Trainer's head is Liger's fused linear cross-entropy, megatrain's the chunked loss: the logits'
+        # gradient is rounded to bf16 at other places. Measured on an H200 at ef269f3: losses within 2.4e-4, the
+        # largest update difference 0.057 of its norm (embed_tokens, as under compile), the rest under 0.05
+        model = _pair(tmp_path, "bf16_parity_liger_llama", update_rtol=0.08, use_liger_kernel=True)
     finally:
         (modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm, modeling_llama.LlamaMLP,
          modeling_llama.LlamaForCausalLM.forward) = saved
