@@ -26,7 +26,7 @@ import torch
 from .config import MegaTrainConfig
 from .core.grad_accumulators import BF16_FIX
 from .core.grads import MAX_PENDING_SENDS
-from .core.layout import UnitSizes
+from .core.layout import UnitSizes, experts_in_fp32
 from .errors import AttentionKernelError, IncompatibleOptionsError
 from .memory import disk as disk_memory
 from .memory import host as host_memory
@@ -92,6 +92,7 @@ class Run:
     emulated_streams: bool = False  # the CUDA transfer pipelines emulated on the CPU (tests)
     seq_len: int | None = None  # the longest training sequence seen so far (the engine, per new maximum)
     attention: str | None = None  # the model's attention kernel (config._attn_implementation)
+    experts: str | None = None  # the model's routed experts' kernel (config._experts_implementation); None: none
 
 
 # ---------------------------------------------------------------------------------- the plan's sections
@@ -99,6 +100,7 @@ class Run:
 class PrecisionPlan:
     compute: torch.dtype  # weights on the device and the compute
     grads: torch.dtype  # host accumulators of the bf16-streamed matrices (the rest: fp32)
+    experts: torch.dtype | None = None  # wire and compute dtype of the routed experts (None: the model has none)
 
 
 @dataclass(frozen=True)
@@ -371,6 +373,10 @@ def check(config: MegaTrainConfig, machine: Machine | None = None, run: Run = Ru
 ADJUSTMENTS: dict[str, tuple[tuple[str, str], str]] = {
     "compute_dtype auto": (("compute_dtype='auto'", "run: bf16"), "bf16 when the Trainer or Accelerate runs bf16, "
                            "else fp32"),
+    "experts fp32": (("experts_dtype='auto'", "model: an experts kernel other than eager"), "the routed experts "
+                     "cross the link and compute in fp32, as plain bf16 training computes them (transformers' "
+                     "default grouped_mm ignores autocast): exact, at twice their link bytes; "
+                     "experts_dtype='compute' sends them in bf16"),
     "staging fp32": (("host_staging", "compute_dtype fp32"), "no staging copy: the device reads the fp32 masters"),
     "staging dropped": (("host_staging='auto'", "machine: RAM"), "drops the bf16 host copy of the weights (2 B per "
                         "matrix parameter) where that makes the plan fit RAM; the GPU rounds the fp32 masters"),
@@ -405,14 +411,19 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
             sizes: Callable[[torch.dtype], list[UnitSizes]] | None = None) -> TrainingPlan:
     """The plan of ``config`` on ``machine``: refuses what does not combine (:func:`check`), then decides.
 
-    ``sizes(compute_dtype)``: the units' flats as the store lays them out, for the admission against
-    RAM and disk (None: nothing admitted, every moment in RAM)."""
+    ``sizes(compute_dtype, experts_dtype)``: the units' flats as the store lays them out with these
+    dtypes of the matrices and of the routed experts, for the admission against RAM and disk (None:
+    nothing admitted, every moment in RAM)."""
     check(config, machine, run)
     f, c = _Facts(config, machine, run), config
     notes: list[tuple[str, str]] = []
     compute = f.compute
     if c.compute_dtype == "auto":
         notes.append(("compute_dtype auto", str(compute).replace("torch.", "")))
+    experts = None if run.experts is None else compute
+    if compute != torch.float32 and experts_in_fp32(run.experts, c.experts_dtype):
+        experts = torch.float32
+        notes.append(("experts fp32", f"experts kernel {run.experts!r}"))
     moments = format_of(c.optimizer_state) if c.replace_adamw else None
     if c.offload_dir is not None and moments is None:
         notes.append(("tier without HostAdamW", ""))
@@ -425,7 +436,7 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
     if sizes is not None:
         masters_possible = compute != torch.float32 and c.host_staging is not False and not f.sharded
         staging, tiers = disk_memory.place_tiers(
-            sizes(compute), compute, c.host_staging, moments.mode if moments else None, c.offload_dir,
+            sizes(compute, experts), compute, c.host_staging, moments.mode if moments else None, c.offload_dir,
             c.offload_state, machine.ram_available if c.check_host_memory else None, machine.disk_free,
             masters_possible, grads, c.offload_window)
     if compute == torch.float32 and c.host_staging is not False:
@@ -446,7 +457,7 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
         notes.append(("threads", f"{machine.cpus}"))
     streams = machine.device.type == "cuda" or run.emulated_streams
     plan = TrainingPlan(
-        config, machine, run, PrecisionPlan(compute, grads),
+        config, machine, run, PrecisionPlan(compute, grads, experts),
         OptimizerPlan(moments, c.resolve_host_adamw_kernel(machine.device), c.device_update,
                       c.device_update and budget is None, c.host_threads or machine.cpus),
         HostPlan(staging and compute != torch.float32, c.resolve_pin(machine.device), c.check_host_memory),
@@ -460,7 +471,7 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
         LossPlan(c.chunked_loss is True, c.loss_chunk_tokens), tuple(notes),
         CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None)
     for key, detail in notes:
-        logger.log(logging.INFO if key in ("staging dropped", "state to disk") else logging.DEBUG,
+        logger.log(logging.INFO if key in ("staging dropped", "state to disk", "experts fp32") else logging.DEBUG,
                    "megatrain plan: %s x %s: %s%s", *ADJUSTMENTS[key][0], ADJUSTMENTS[key][1],
                    f" ({detail})" if detail else "")
     return plan
