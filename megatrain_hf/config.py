@@ -76,8 +76,10 @@ class EngineOptions:
     multiplies by the fp32 weights; `batched_mm` gathers the experts' rows before autocast rounds
     them (its backward would sum their gradients in bf16); a kernel registered by the user is not
     known. Only `experts_implementation="eager"` (one `F.linear` per expert) gets the compute dtype.
-    fp32 experts are exact against plain training and cost twice their link bytes (97 % of an MoE
-    layer's) and fp32 weight slots on the GPU; the host holds no bf16 copy of them. `"compute"`: the experts in
+    fp32 experts are exact against plain training and cost twice their upload bytes (97 % of an MoE
+    layer's; with the fp32 gradients that come down either way, 1.5x a step's link bytes) and fp32
+    weight slots on the GPU; the host holds no bf16 copy of them, and `offload_state="all"` leaves
+    their masters in RAM (the device reads them). `"compute"`: the experts in
     the compute dtype like every other matrix -- half the link bytes, but not plain training's
     arithmetic (tiny Mixtral, 6 steps on the CPU: losses 5.9e-4 apart). No effect in fp32 compute or on
     dense models."""
