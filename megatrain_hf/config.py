@@ -67,6 +67,23 @@ class EngineOptions:
     Masters, gradient accumulators and optimizer state stay fp32 on the host whatever this is.
     fp16 is not supported (use bf16 on GPUs that have it)."""
 
+    experts_dtype: Literal["auto", "compute"] = "auto"
+    """dtype in which a mixture-of-experts model's routed experts (the fused `experts.gate_up_proj` /
+    `experts.down_proj` of Mixtral, Qwen2/3-MoE, OLMoE) travel and compute under bf16 compute.
+    `"auto"`: what plain `bf16=True` training computes them with -- fp32 unless their kernel computes
+    with bf16 weights exactly as autocast does with fp32 ones. transformers' default kernel,
+    `grouped_mm`, ignores autocast and casts its input to the weights' dtype, so plain training
+    multiplies by the fp32 weights; `batched_mm` gathers the experts' rows before autocast rounds
+    them (its backward would sum their gradients in bf16); a kernel registered by the user is not
+    known. Only `experts_implementation="eager"` (one `F.linear` per expert) gets the compute dtype.
+    fp32 experts are exact against plain training and cost twice their upload bytes (97 % of an MoE
+    layer's; with the fp32 gradients that come down either way, 1.5x a step's link bytes) and fp32
+    weight slots on the GPU; the host holds no bf16 copy of them, and `offload_state="all"` leaves
+    their masters in RAM (the device reads them). `"compute"`: the experts in
+    the compute dtype like every other matrix -- half the link bytes, but not plain training's
+    arithmetic (tiny Mixtral, 6 steps on the CPU: losses 5.9e-4 apart). No effect in fp32 compute or on
+    dense models."""
+
     host_threads: Annotated[int | None, _check_threads] = None
     """CPU threads for the engine's host work (AdamW update, gradient accumulation). None: every
     CPU this process may run on. Containers often set OMP_NUM_THREADS=1, which would make the
@@ -198,12 +215,20 @@ def _describe(members: list) -> str:
     return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
 
 
+_HINTS = {
+    "compute_dtype": " fp16 is not supported (use bf16 on GPUs that have it).",
+    "experts_dtype": " 'compute' sends the experts in the compute dtype (bf16 with bf16=True), 'auto' in fp32 where "
+                     "plain bf16 training computes them in fp32 (docs/configuration.md).",
+}
+"""What a refused value of a field is followed by in the message."""
+
+
 def _validate(name: str, value, hint) -> None:
     for check in typing.get_args(hint)[1:] if typing.get_origin(hint) is Annotated else ():
         check(name, value)  # raises with the field's own message
     members = _members(hint)
     if not any(_matches(value, m) for m in members):
-        extra = " fp16 is not supported (use bf16 on GPUs that have it)." if name == "compute_dtype" else ""
+        extra = _HINTS.get(name, "")
         raise MegatrainConfigError(f"MegaTrainConfig.{name}={value!r}; allowed: {_describe(members)}.{extra}")
 
 

@@ -21,6 +21,7 @@ import functools
 import logging
 import math
 import weakref
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -48,6 +49,7 @@ from .models.flops import flops_parameters
 from .models.model_patches import install_model
 from .models.loading import deferred_weights
 from .models.base_quantization import quantized_weights
+from .models.experts import routed_experts
 from .memory.budget import GpuBudget
 from .memory import activations
 from .memory import host as host_memory
@@ -94,10 +96,17 @@ class Engine:
         schemes = quantized_weights(model, config.base_quantization,
                                     deferred.stored_schemes(model) if deferred is not None else None)
         quantize = (lambda p: schemes.get(id(p))) if schemes else None
-        self.plan = plan = resolve(config, machine, run, lambda compute: host_memory.unit_sizes(
-            named, compute_dtype=compute, embedding_units=located.embedding_units,
-            frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize),
-            shape=lambda: ModelShape.from_hf_config(unwrap(model).config))  # max_seq_len's placement
+        experts = routed_experts(named)  # the plan decides their dtype (MegaTrainConfig.experts_dtype)
+
+        def fp32_experts(dtype: torch.dtype | None) -> frozenset[int]:
+            return experts.params if dtype == torch.float32 else frozenset()
+
+        self.plan = plan = resolve(config, machine, dataclasses.replace(run, experts=experts.kernel), lambda compute, e:
+                                   host_memory.unit_sizes(named, compute_dtype=compute,
+                                                          embedding_units=located.embedding_units,
+                                                          frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize,
+                                                          fp32_params=fp32_experts(e)),
+                                   shape=lambda: ModelShape.from_hf_config(unwrap(model).config))  # max_seq_len
         self.sharding = UnitSharding(len(named), plan.ownership.timeout_s) if plan.ownership.sharded else None
         self.state_tier = tiers = plan.disk.tiers
         on_unit = None  # the disk tier's files, made once; masters on disk go there as soon as the store filled them
@@ -116,7 +125,8 @@ class Engine:
                                    sources=deferred.source if deferred is not None else None, quantize=quantize,
                                    ranges=deferred.ranges if deferred is not None else None,
                                    stored_quantized=deferred.quantized_source if deferred is not None else None,
-                                   ownership=ownership, grad_dtype=plan.precision.grads, on_unit=on_unit)
+                                   ownership=ownership, grad_dtype=plan.precision.grads, on_unit=on_unit,
+                                   fp32_params=fp32_experts(plan.precision.experts))
         except BaseException:
             if on_unit is not None:
                 on_unit.close()  # (the files made so far)

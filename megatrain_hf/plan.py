@@ -26,7 +26,7 @@ import torch
 from .config import MegaTrainConfig
 from .core.grad_accumulators import BF16_FIX
 from .core.grads import MAX_PENDING_SENDS
-from .core.layout import UnitSizes
+from .core.layout import UnitSizes, experts_in_fp32
 from .errors import AttentionKernelError, IncompatibleOptionsError
 from .memory import disk as disk_memory
 from .memory import host as host_memory
@@ -99,6 +99,7 @@ class Run:
     seq_len: int | None = None  # the longest training sequence seen so far (the engine, per new maximum)
     attention: str | None = None  # the model's attention kernel (config._attn_implementation)
     gpu_working_set: int | None = None  # the streamed step's GPU bytes (megatrain estimate's plan), for residency
+    experts: str | None = None  # the model's routed experts' kernel (config._experts_implementation); None: none
 
 
 # ---------------------------------------------------------------------------------- the plan's sections
@@ -106,6 +107,7 @@ class Run:
 class PrecisionPlan:
     compute: torch.dtype  # weights on the device and the compute
     grads: torch.dtype  # host accumulators of the bf16-streamed matrices (the rest: fp32)
+    experts: torch.dtype | None = None  # wire and compute dtype of the routed experts (None: the model has none)
 
 
 @dataclass(frozen=True)
@@ -422,6 +424,10 @@ def check(config: MegaTrainConfig, machine: Machine | None = None, run: Run = Ru
 ADJUSTMENTS: dict[str, tuple[tuple[str, str], str]] = {
     "compute_dtype auto": (("compute_dtype='auto'", "run: bf16"), "bf16 when the Trainer or Accelerate runs bf16, "
                            "else fp32"),
+    "experts fp32": (("experts_dtype='auto'", "model: an experts kernel other than eager"), "the routed experts "
+                     "cross the link and compute in fp32, as plain bf16 training computes them (transformers' "
+                     "default grouped_mm ignores autocast): exact, at twice their link bytes; "
+                     "experts_dtype='compute' sends them in bf16"),
     "staging fp32": (("host_staging", "compute_dtype fp32"), "no staging copy: the device reads the fp32 masters"),
     "staging dropped": (("host_staging='auto'", "machine: RAM"), "drops the bf16 host copy of the weights (2 B per "
                         "matrix parameter) where that makes the plan fit RAM; the GPU rounds the fp32 masters"),
@@ -460,13 +466,14 @@ def combination_table() -> str:
 
 # ---------------------------------------------------------------------------------- resolution
 def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
-            sizes: Callable[[torch.dtype], list[UnitSizes]] | None = None,
+            sizes: Callable[[torch.dtype, torch.dtype | None], list[UnitSizes]] | None = None,
             shape: Callable[[], ModelShape] | None = None) -> TrainingPlan:
     """The plan of ``config`` on ``machine``: refuses what does not combine (:func:`check`), then decides.
 
-    ``sizes(compute_dtype)``: the units' flats as the store lays them out, for the admission against
-    RAM and disk (None: nothing admitted, every moment in RAM). ``shape()``: the model's shape, for
-    ``max_seq_len``'s placement (:func:`place_long_context`)."""
+    ``sizes(compute_dtype, experts_dtype)``: the units' flats as the store lays them out with these
+    dtypes of the matrices and of the routed experts, for the admission against RAM and disk (None:
+    nothing admitted, every moment in RAM). ``shape()``: the model's shape, for ``max_seq_len``'s
+    placement (:func:`place_long_context`)."""
     check(config, machine, run)
     notes: list[tuple[str, str]] = []
     joint = None
@@ -477,6 +484,10 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
     compute = f.compute
     if c.compute_dtype == "auto":
         notes.append(("compute_dtype auto", str(compute).replace("torch.", "")))
+    experts = None if run.experts is None else compute
+    if compute != torch.float32 and experts_in_fp32(run.experts, c.experts_dtype):
+        experts = torch.float32
+        notes.append(("experts fp32", f"experts kernel {run.experts!r}"))
     moments = format_of(c.optimizer_state) if c.replace_adamw else None
     if c.offload_dir is not None and moments is None:
         notes.append(("tier without HostAdamW", ""))
@@ -486,7 +497,7 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
         notes.append(("data_parallel auto", f"{machine.world_size} ranks"))
     grads = torch.bfloat16 if c.grad_dtype == "bf16" else torch.float32
     staging, tiers = c.host_staging is not False, DiskTier(False)
-    units = sizes(compute) if sizes is not None else None
+    units = sizes(compute, experts) if sizes is not None else None
     if units is not None:
         masters_possible = compute != torch.float32 and c.host_staging is not False and not f.sharded
         staging, tiers = disk_memory.place_tiers(
@@ -512,7 +523,7 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
     streams = machine.device.type == "cuda" or run.emulated_streams
     residency_plan = residency(c, machine, run, compute, units, notes)
     plan = TrainingPlan(
-        config, machine, run, PrecisionPlan(compute, grads),
+        config, machine, run, PrecisionPlan(compute, grads, experts),
         OptimizerPlan(moments, c.resolve_host_adamw_kernel(machine.device), c.device_update,
                       c.device_update and budget is None, c.host_threads or machine.cpus),
         HostPlan(staging and compute != torch.float32, c.resolve_pin(machine.device), c.check_host_memory),
@@ -526,7 +537,8 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
         LossPlan(c.chunked_loss is True, c.loss_chunk_tokens), tuple(notes),
         CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None, joint, residency_plan)
     for key, detail in notes:
-        logger.log(logging.INFO if key in ("staging dropped", "state to disk", "max_seq_len placement") else logging.DEBUG,
+        logger.log(logging.INFO if key in ("staging dropped", "state to disk", "max_seq_len placement", "experts fp32")
+                   else logging.DEBUG,
                    "megatrain plan: %s x %s: %s%s", *ADJUSTMENTS[key][0], ADJUSTMENTS[key][1],
                    f" ({detail})" if detail else "")
     return plan

@@ -39,7 +39,8 @@ def config_of(args) -> MegaTrainConfig:
         loss_chunk_tokens=args.loss_chunk_tokens, base_quantization=args.base_quantization,
         offload_checkpoints=True if args.offload_checkpoints else "auto",
         max_gpu_memory=int(args.gpu_gib * GiB) if args.gpu_gib is not None else None,
-        offload_dir=args.offload_dir, offload_state=args.offload_state, offload_window=args.offload_window)
+        offload_dir=args.offload_dir, offload_state=args.offload_state, offload_window=args.offload_window,
+        experts_dtype=args.experts_dtype)
 
 
 def shape_plan(args, shape: ModelShape, ram_available: int, disk_free: int | None,
@@ -52,14 +53,16 @@ def shape_plan(args, shape: ModelShape, ram_available: int, disk_free: int | Non
     machine = Machine(torch.device("cuda"), cuda=True, world_size=args.world_size, ram_available=ram_available,
                       disk_free=disk_free, cpus=config.resolve_host_threads(),
                       grad_dtype_tensors=hasattr(torch.Tensor, "grad_dtype"), gpu_memory=gpu)
-    run = Run(bf16=args.dtype == "bf16", grad_accum=args.grad_accum, gpu_working_set=gpu_working_set)
+    run = Run(bf16=args.dtype == "bf16", grad_accum=args.grad_accum, gpu_working_set=gpu_working_set,
+              experts=shape.experts_kernel if shape.experts else None)
     if args.disk_gib is not None and args.offload_dir is None:  # a tier planned on --disk-gib alone
         what_if = copy.copy(config)
         what_if.offload_dir = "(--disk-gib)"  # planning only: the rules read whether it is set
         check(what_if, machine, run)
 
-    def sizes(compute: torch.dtype):
-        return shape_sizes(shape, compute, args.lora_rank, args.base_quantization)
+    def sizes(compute: torch.dtype, experts: torch.dtype | None):  # the routed experts in fp32 where the plan says
+        return shape_sizes(shape, compute, args.lora_rank, args.base_quantization,
+                           "auto" if experts == torch.float32 else "compute")
 
     try:
         return resolve(config, machine, run, sizes, lambda: shape), None
@@ -97,8 +100,12 @@ def decisions(plan: TrainingPlan) -> list[tuple[str, str]]:
     tiers, moments, own, act = plan.disk.tiers, plan.optimizer.moments, plan.ownership, plan.activations
     where = (f"on disk for {len(tiers.units)} unit(s) ({gib(tiers.disk_bytes)} GiB, {plan.disk.window} RAM slots)"
              if tiers.on_disk else "in RAM")
+    experts = plan.precision.experts
     return [
         ("compute dtype", _name(plan.precision.compute)),
+        *([("routed experts", f"{_name(experts)} on the wire and in the compute"
+            + (" (as plain bf16 training: their kernel ignores autocast)" if experts != plan.precision.compute else ""))]
+          if experts is not None else []),
         ("gradient accumulators", f"{_name(plan.precision.grads)} (the streamed matrices; the rest fp32)"),
         ("AdamW moments", "none planned (replace_adamw=False)" if moments is None else f"{moments.mode}, {where}"),
         ("fp32 masters", f"on disk for {len(tiers.masters)} unit(s)" if tiers.masters else "in RAM"),

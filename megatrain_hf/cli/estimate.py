@@ -57,6 +57,10 @@ def estimate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer-state", choices=["fp32", "bf16", "8bit", "4bit"], default="fp32",
                         help="format of the AdamW moments, in host RAM or with --offload-dir on disk "
                              "(optimizer_state; default fp32, 8 B/param; 8bit ~2 B/param, docs/optimizer-state.md)")
+    parser.add_argument("--experts-dtype", choices=["auto", "compute"], default="auto",
+                        help="a mixture-of-experts model's routed experts: 'auto' (default) fp32 where plain bf16 "
+                             "training computes them in fp32 (transformers' grouped_mm kernel), 'compute' in the "
+                             "compute dtype (half their link bytes, not plain training's arithmetic)")
     parser.add_argument("--grad-dtype", choices=["fp32", "bf16"], default="fp32",
                         help="the layers' matrices' gradient accumulators (grad_dtype; bf16: 2 B/param, exact at "
                              "--grad-accum 1 with bf16 compute)")
@@ -126,6 +130,7 @@ def estimate_main(argv: list[str] | None = None) -> int:
             sequence_tile_tokens=args.sequence_tile_tokens,
             checkpoint_interval=args.checkpoint_interval,
             grad_dtype=args.grad_dtype,
+            experts_dtype=args.experts_dtype,
         )
         ranks = plan_ranks(plan, args.world_size, args.nodes, host_staging=args.host_staging)
         # the engine's decisions again, the resident units fitted to what the streamed step leaves of the GPU (the
@@ -237,7 +242,7 @@ def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int, fr
 
     masters = args.offload_state == "all"
     tier = disk.shape_tier(shape, plan.compute_dtype, args.lora_rank, window=args.offload_window,
-                           optimizer_state=plan.optimizer_state, masters=masters)
+                           optimizer_state=plan.optimizer_state, masters=masters, experts_dtype=plan.experts_dtype)
     ram = disk.ram_with_tier(plan, tier)
 
     def plan_of(s: ModelShape) -> MemoryPlan:
@@ -246,7 +251,7 @@ def _disk_plan(args, shape: ModelShape, plan: MemoryPlan, ram_available: int, fr
                            chunked_loss=args.chunked_loss, host_staging=args.host_staging,
                            offload_checkpoints=args.offload_checkpoints, loss_chunk_tokens=args.loss_chunk_tokens,
                            lora_rank=args.lora_rank, optimizer_state=plan.optimizer_state,
-                           grad_dtype=plan.grad_dtype)
+                           grad_dtype=plan.grad_dtype, experts_dtype=plan.experts_dtype)
 
     layers, params = disk.deepest_with_tier(shape, ram_available, free, plan_of, masters=masters,
                                             window=args.offload_window)

@@ -127,7 +127,8 @@ class HostStore:
     (``fill(format, byte_range)``), or None; ``on_unit(store, u)``, if given, runs once unit ``u``'s flats
     are filled (the disk tier takes the masters of the units of its ``masters`` there, filled unpinned,
     before the next unit's exist); ``ownership`` which units this process holds (``ownership.py``:
-    all of them by default). The store does not know what a model is.
+    all of them by default); ``fp32_params`` the ids of parameters that cross the link in fp32 whatever
+    their shape (routed experts whose kernel ignores autocast). The store does not know what a model is.
 
     Composed of ``accumulators`` (the gradient flats, ``grad_accumulators.py``), ``staging`` (the
     compute-dtype copy, ``staging.py``) and ``gates`` (each unit's update gate, ``readiness.py``).
@@ -148,6 +149,7 @@ class HostStore:
         ownership: LocalOwnership | None = None,
         grad_dtype: torch.dtype = torch.float32,
         on_unit: Callable[["HostStore", int], None] | None = None,
+        fp32_params: frozenset[int] = frozenset(),
     ) -> None:
         self.compute_dtype = compute_dtype
         self.frozen_in_wire_dtype = frozen_in_wire_dtype
@@ -160,7 +162,7 @@ class HostStore:
         self._unpin = weakref.finalize(self, _unregister, self._registered)
         self._quantize = quantize
         self.entries, self._sizes, self._param_home = plan_units(units, embedding_units, compute_dtype,
-                                                                 self.frozen_storage, quantize)
+                                                                 self.frozen_storage, quantize, fp32_params)
         self.staging = (StagingCache(self, compute_dtype) if staging and compute_dtype != torch.float32
                         else NoStaging(self))
         self.accumulators = GradAccumulators(self, grad_dtype)

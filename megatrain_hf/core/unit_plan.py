@@ -19,8 +19,11 @@ logger = logging.getLogger("megatrain_hf.core.store")  # the store's messages, w
 def plan_units(units: list[tuple[str, torch.nn.Module]], embedding_units: frozenset[int], compute_dtype: torch.dtype,
                frozen_storage: Callable[[torch.dtype], torch.dtype],
                quantize: Callable[[torch.Tensor], str | None] | None,
+               fp32_params: frozenset[int] = frozenset(),
                ) -> tuple[list[list[Entry]], list[UnitSizes], dict[int, tuple[int, Entry]]]:
-    """The units' entries, their flat sizes, and each parameter's home ``id(param) -> (unit, entry)``."""
+    """The units' entries, their flat sizes, and each parameter's home ``id(param) -> (unit, entry)``;
+    ``fp32_params``: ids of parameters that cross the link in fp32 whatever their shape (``wire_dtype``'s
+    ``fp32``)."""
     all_sizes, all_entries, param_home = [], [], {}
     for u, (unit_name, module) in enumerate(units):
         entries: list[Entry] = []
@@ -38,7 +41,8 @@ def plan_units(units: list[tuple[str, torch.nn.Module]], embedding_units: frozen
                     "e.g. AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)."
                 )
             kind = Kind.TRAINABLE if param.requires_grad else Kind.FROZEN
-            wire = wire_dtype(param.dtype, param.ndim, compute_dtype, embedding=u in embedding_units, name=name)
+            wire = wire_dtype(param.dtype, param.ndim, compute_dtype, embedding=u in embedding_units, name=name,
+                              fp32=id(param) in fp32_params)
             scheme = quantize(param) if kind is Kind.FROZEN and quantize is not None else None
             fmt = quant_format(scheme, tuple(param.shape), wire) if scheme is not None else None
             if scheme is not None and fmt is None:

@@ -150,14 +150,16 @@ def place_tiers(sizes: list[UnitSizes], compute_dtype: torch.dtype, host_staging
 
 # ---------------------------------------------------------------------------------- planning from a shape
 def shape_tier(shape, compute_dtype: str = "bf16", lora_rank: int | None = None,
-               window: int = DEFAULT_WINDOW, optimizer_state: str = "fp32", masters: bool = False) -> DiskTier:
+               window: int = DEFAULT_WINDOW, optimizer_state: str = "fp32", masters: bool = False,
+               experts_dtype: str = "auto") -> DiskTier:
     """:func:`tier_bytes` of a model shape (``memory/shapes.py``), as the store would lay it out;
-    ``masters``: every unit's staged masters on disk too (``offload_state="all"``)."""
+    ``masters``: every unit's staged masters on disk too (``offload_state="all"``); ``experts_dtype``:
+    ``MegaTrainConfig.experts_dtype``."""
     from .plan import _DTYPE_BY_NAME, LORA_TARGETS, _layout
     from ..core.layout import lay_out
 
     dtype = _DTYPE_BY_NAME[compute_dtype]
-    sizes = [lay_out(u.specs(dtype)) for u in _layout(shape, lora_rank, LORA_TARGETS)]
+    sizes = [lay_out(u.specs(dtype)) for u in _layout(shape, lora_rank, LORA_TARGETS, experts_dtype=experts_dtype)]
     return tier_bytes(sizes, window, optimizer_state=optimizer_state,
                       masters=range(len(sizes)) if masters else ())
 

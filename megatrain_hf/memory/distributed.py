@@ -63,7 +63,7 @@ def plan_ranks(plan: MemoryPlan, world_size: int, nodes: int = 1, host_staging: 
         raise MegatrainConfigError(f"nodes={nodes!r}: must be an int >= 1 that divides world_size={world_size} "
                                    "(torchrun starts the same number of processes on every host)")
     dtype = _DTYPE_BY_NAME[plan.compute_dtype]
-    units = _layout(plan.shape, plan.lora_rank, tuple(lora_targets))
+    units = _layout(plan.shape, plan.lora_rank, tuple(lora_targets), experts_dtype=plan.experts_dtype)
     sizes = [lay_out(u.specs(dtype)) for u in units]
     staging = host_staging and dtype != torch.float32
     stage_bytes = dtype.itemsize if staging else 0

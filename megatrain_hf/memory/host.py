@@ -73,6 +73,7 @@ def host_breakdown_for_units(
     frozen_in_wire_dtype: bool = True,
     quantize=None,
     grad_dtype: torch.dtype = torch.float32,
+    fp32_params: frozenset[int] = frozenset(),
 ) -> dict[str, int]:
     """Exact host bytes per tier for real modules, walked the way ``HostStore`` walks them.
 
@@ -82,17 +83,18 @@ def host_breakdown_for_units(
     ``frozen_in_wire_dtype``: frozen weights in the wire dtype, else in fp32 (``HostStore``'s). Tied
     parameters (one tensor in two units) are counted once, frozen ones in their wire dtype only;
     ``quantize(param)``: the scheme a frozen weight is stored in (``HostStore``'s), None: as is;
-    ``grad_dtype``: ``HostStore``'s (its bf16 accumulators, ``core/grad_accumulators.py``).
+    ``grad_dtype``: ``HostStore``'s (its bf16 accumulators, ``core/grad_accumulators.py``);
+    ``fp32_params``: ``HostStore``'s (parameters sent in fp32 whatever their shape).
     """
     sizes = unit_sizes(units, compute_dtype=compute_dtype, embedding_units=embedding_units,
-                       frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize)
+                       frozen_in_wire_dtype=frozen_in_wire_dtype, quantize=quantize, fp32_params=fp32_params)
     return host_tiers(sizes, compute_dtype, staging=staging, optimizer_state=optimizer_state, grad_dtype=grad_dtype)
 
 
 def unit_sizes(units: list[tuple[str, torch.nn.Module]], *, compute_dtype: torch.dtype,
                embedding_units: frozenset[int] = frozenset({0}), frozen_in_wire_dtype: bool = True,
-               quantize=None) -> list[UnitSizes]:
-    """Each unit's flat sizes, laid out as ``HostStore`` lays them out (``quantize``: as in
+               quantize=None, fp32_params: frozenset[int] = frozenset()) -> list[UnitSizes]:
+    """Each unit's flat sizes, laid out as ``HostStore`` lays them out (``quantize``, ``fp32_params``: as in
     :func:`host_breakdown_for_units`)."""
     seen: set[int] = set()
     sizes = []
@@ -102,7 +104,8 @@ def unit_sizes(units: list[tuple[str, torch.nn.Module]], *, compute_dtype: torch
             if id(p) in seen:  # tied: lives in the first unit that has it
                 continue
             seen.add(id(p))
-            wire = wire_dtype(p.dtype, p.ndim, compute_dtype, embedding=u in embedding_units, name=name)
+            wire = wire_dtype(p.dtype, p.ndim, compute_dtype, embedding=u in embedding_units, name=name,
+                              fp32=id(p) in fp32_params)
             if not p.requires_grad and not frozen_in_wire_dtype and wire.is_floating_point:
                 wire = torch.float32
             scheme = quantize(p) if quantize is not None and not p.requires_grad else None

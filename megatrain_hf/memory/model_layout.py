@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-from ..core.layout import TensorSpec, UnitSizes, aligned, lay_out, wire_dtype
+from ..core.layout import TensorSpec, UnitSizes, aligned, experts_in_fp32, lay_out, wire_dtype
 from .host_tiers import host_tiers
 from ..core.frozen_formats import quant_format
 from .shapes import ModelShape
@@ -28,6 +28,7 @@ class _Tensor:
     lora: bool = False  # a LoRA matrix (fp32 on the wire, whatever its shape)
     quant: str | None = None  # a base weight stored quantized with this scheme ...
     rows_cols: tuple[int, int] = (0, 0)  # ... of this (out, in) shape
+    fp32: bool = False  # fp32 on the wire whatever its shape (routed experts whose kernel ignores autocast)
 
 
 @dataclass(frozen=True)
@@ -42,13 +43,13 @@ class _UnitLayout:
             TensorSpec(quant_format(t.quant, t.rows_cols, compute_dtype).nbytes, False, torch.uint8) if t.quant else
             TensorSpec(t.numel, t.trainable, wire_dtype(torch.float32, 2 if t.matrix else 1, compute_dtype,
                                                           embedding=self.kind == "embedding",
-                                                          name="lora_A.weight" if t.lora else ""))
+                                                          name="lora_A.weight" if t.lora else "", fp32=t.fp32))
             for t in self.tensors
         ]
 
 
 def _layer_layout(shape: ModelShape, layer: int, lora_rank: int | None, lora_targets: Iterable[str],
-                  base_quantization: str = "none") -> _UnitLayout:
+                  base_quantization: str = "none", experts_fp32: bool = False) -> _UnitLayout:
     lora = lora_rank is not None
     full = not lora
     tensors: list[_Tensor] = []
@@ -63,22 +64,25 @@ def _layer_layout(shape: ModelShape, layer: int, lora_rank: int | None, lora_tar
         if adapted:
             tensors.append(_Tensor(lora_rank * fi, True, True, lora=True))  # lora_A: (r, in)
             tensors.append(_Tensor(fo * lora_rank, True, True, lora=True))  # lora_B: (out, r)
-    tensors += [_Tensor(n, True, full) for n in shape.expert_tensors(layer).values()]  # router, experts
+    tensors += [_Tensor(n, True, full, fp32=experts_fp32 and name.startswith("experts."))  # router, experts
+                for name, n in shape.expert_tensors(layer).items()]
     tensors += [_Tensor(n, False, full) for n in shape.norm_vectors()]
     return _UnitLayout("layer", tuple(tensors))
 
 
 def _layout(shape: ModelShape, lora_rank: int | None, lora_targets: Iterable[str],
-            base_quantization: str = "none") -> list[_UnitLayout]:
+            base_quantization: str = "none", experts_dtype: str = "auto") -> list[_UnitLayout]:
     """The units as the store sees them (all layers alike, but an MoE model's dense layers);
-    ``base_quantization``: the LoRA-adapted base weights are stored with that scheme."""
+    ``base_quantization``: the LoRA-adapted base weights are stored with that scheme; ``experts_dtype``:
+    ``MegaTrainConfig.experts_dtype`` (the routed experts in fp32 where it and ``shape.experts_kernel`` say so)."""
     full = lora_rank is None
+    experts_fp32 = experts_in_fp32(shape.experts_kernel if shape.experts else None, experts_dtype)
     table = shape.vocab * shape.hidden
     layouts: dict[bool, _UnitLayout] = {}  # a layer's layout depends only on whether it routes experts
     for layer in range(shape.layers):
         if shape.is_moe_layer(layer) not in layouts:
             layouts[shape.is_moe_layer(layer)] = _layer_layout(shape, layer, lora_rank, lora_targets,
-                                                               base_quantization)
+                                                               base_quantization, experts_fp32)
     units = [_UnitLayout("embedding", (_Tensor(table, True, full),))]
     if shape.positions:  # learned positions: a second lookup table
         units.append(_UnitLayout("embedding", (_Tensor(shape.positions * shape.hidden, True, full),)))
@@ -108,7 +112,8 @@ def _host_tiers(units: list[_UnitLayout], compute_dtype: torch.dtype, host_stagi
 
 
 def shape_sizes(shape: ModelShape, compute_dtype: torch.dtype, lora_rank: int | None = None,
-                base_quantization: str = "none") -> list[UnitSizes]:
+                base_quantization: str = "none", experts_dtype: str = "auto") -> list[UnitSizes]:
     """Each unit's flats of a model of ``shape`` as the host store would lay them out: the training plan's
     layout input where there is no model (``megatrain estimate``)."""
-    return [lay_out(u.specs(compute_dtype)) for u in _layout(shape, lora_rank, LORA_TARGETS, base_quantization)]
+    return [lay_out(u.specs(compute_dtype))
+            for u in _layout(shape, lora_rank, LORA_TARGETS, base_quantization, experts_dtype)]

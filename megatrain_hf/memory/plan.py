@@ -118,6 +118,9 @@ class MemoryPlan:
     """Format of the AdamW moments planned (``MegaTrainConfig.optimizer_state``)."""
     grad_dtype: str = "fp32"
     """The gradient accumulators' dtype planned (``MegaTrainConfig.grad_dtype``)."""
+    experts_dtype: str = "auto"
+    """The routed experts' dtype planned (``MegaTrainConfig.experts_dtype``): fp32 on the wire and in the
+    GPU's weight slots where ``"auto"`` and the shape's experts kernel ignores autocast; no staging copy of them."""
 
     # -------------------------------------------------------------- totals
     @property
@@ -246,6 +249,7 @@ def plan_memory(
     sequence_tile_tokens: int | str | None = "auto",
     checkpoint_interval: int = 1,
     grad_dtype: str = "fp32",
+    experts_dtype: str = "auto",
 ) -> MemoryPlan:
     """Plan the host tiers (exact) and the GPU items (estimate) of training ``shape``.
 
@@ -262,7 +266,9 @@ def plan_memory(
     in flight (the one going down, the one coming back up). ``sequence_tile_tokens`` and
     ``checkpoint_interval``: the options of the same names (``activations.py``). ``grad_dtype``:
     ``"fp32"`` or ``"bf16"`` (``MegaTrainConfig.grad_dtype``: the layers' matrices' accumulators in bf16;
-    which options it needs is the training plan's rule, ``megatrain_hf/plan.py``).
+    which options it needs is the training plan's rule, ``megatrain_hf/plan.py``). ``experts_dtype``:
+    ``"auto"`` or ``"compute"`` (``MegaTrainConfig.experts_dtype``: fp32 routed experts where plain bf16
+    training computes them in fp32).
     """
     _check_int("seq_len", seq_len)
     _check_int("micro_batch", micro_batch)
@@ -290,7 +296,9 @@ def plan_memory(
     cbytes = _COMPUTE_BYTES[compute_dtype]
     dtype_name = "bf16" if cbytes == 2 else "fp32"
     dtype = _DTYPE_BY_NAME[compute_dtype]
-    units = _layout(shape, lora_rank, lora_targets, base_quantization)
+    if experts_dtype not in ("auto", "compute"):
+        raise MegatrainConfigError(f"experts_dtype={experts_dtype!r} is not known; allowed: 'auto', 'compute'.")
+    units = _layout(shape, lora_rank, lora_targets, base_quantization, experts_dtype)
     if optimizer_state not in MOMENT_FORMATS:
         raise MegatrainConfigError(
             f"optimizer_state={optimizer_state!r} is not known; allowed: {list(MOMENT_FORMATS)}.")
@@ -359,6 +367,7 @@ def plan_memory(
         + (DEQUANT_TEMP_BYTES * DEQUANT_CHUNK_ELEMENTS if base_quantization != "none" else 0),
         optimizer_state=optimizer_state,
         grad_dtype=grad_dtype,
+        experts_dtype=experts_dtype,
     )
     logger.debug("memory plan for %s: host %.2f GiB, GPU %.2f GiB", shape.name, plan.host_total / GiB,
                  plan.gpu_total / GiB)

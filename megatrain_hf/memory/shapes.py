@@ -80,6 +80,10 @@ class ModelShape:
     dense_layers: tuple[int, ...] = ()
     """Layers of a mixture-of-experts model with a dense MLP of width ``intermediate`` instead
     (Qwen2/3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``)."""
+    experts_kernel: str = "grouped_mm"
+    """The kernel transformers computes the routed experts with (``experts_implementation``; its
+    default ``grouped_mm``): whether they cross the link in fp32 under bf16 compute follows from it
+    and ``MegaTrainConfig.experts_dtype`` (``core/layout.experts_in_fp32``)."""
     positions: int = 0
     """Rows of a learned position table, a second embedding unit (GPT-2's ``wpe``); 0: none (rotary)."""
     name: str = ""
@@ -293,9 +297,11 @@ def _moe_fields(config: Any, model_type: str) -> dict[str, Any]:
         step = getattr(config, "decoder_sparse_step", 1) or 1
         dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
     shared = getattr(config, "shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    kernel = getattr(config, "_experts_implementation", None) or getattr(config, "experts_implementation", None)
     return dict(experts=getattr(config, key), expert_intermediate=width or 0,
                 experts_per_token=getattr(config, "num_experts_per_tok", 0) or 0,
-                shared_expert_intermediate=shared or 0, dense_layers=dense)
+                shared_expert_intermediate=shared or 0, dense_layers=dense,
+                **({"experts_kernel": kernel} if isinstance(kernel, str) else {}))
 
 
 def _preset(name: str, hidden: int, inter: int, layers: int, heads: int, kv: int, vocab: int, **kw) -> ModelShape:

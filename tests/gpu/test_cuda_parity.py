@@ -77,6 +77,9 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+# mixtral, qwen3_moe: transformers' grouped_mm experts kernel ignores autocast, so plain bf16 Trainer computes the
+# experts with the fp32 weights. At 6872d95 megatrain sent them in bf16 and both cases failed (the router's update
+# 0.139 of its norm off); experts_dtype="auto" sends them in fp32 now (docs/log-moe.md).
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "phi3", "cohere", "mixtral", "qwen3_moe"])
 def test_bf16_parity(tmp_path, family):
     ref = tiny_model(family, **SHAPE)
@@ -87,6 +90,8 @@ def test_bf16_parity(tmp_path, family):
     engine = engine_of(model)
     assert engine.device.type == "cuda" and engine.compute_dtype == torch.bfloat16 and engine.store.pin
     assert all(p.device.type == "cpu" for p in model.parameters())  # masters never left the host
+    if family in ("mixtral", "qwen3_moe"):
+        assert engine.plan.precision.experts == torch.float32  # as plain computes them (grouped_mm)
     ref_state = {n: p.cpu() for n, p in state_of(ref).items()}
     _report(f"bf16_parity_{family}", ref_losses, losses, ref_state, state_of(model))
     assert_close_losses(ref_losses, losses, BF16_LOSS_ATOL)

@@ -31,7 +31,7 @@ def _machine(gpu_gib: int, disk: int | None = None, ram: int = 125 * G) -> Machi
 
 def _plan(model: str, gpu_gib: int, disk: int | None = None, ram: int = 125 * G, **options):
     return resolve(MegaTrainConfig(**options), _machine(gpu_gib, disk, ram), Run(bf16=True),
-                   lambda compute: shape_sizes(PRESETS[model], compute), lambda: PRESETS[model])
+                   lambda compute, experts: shape_sizes(PRESETS[model], compute), lambda: PRESETS[model])
 
 
 # (model, GPU GiB, length) -> (offload_checkpoints, checkpoint_interval, host_staging): the exact placement of the
@@ -143,4 +143,4 @@ def test_checkpoint_interval_auto_is_one_without_max_seq_len():
 def test_the_plan_needs_the_shape():
     with pytest.raises(UsageError, match="max_seq_len needs the model's shape"):
         resolve(MegaTrainConfig(max_seq_len=4096), _machine(79), Run(bf16=True),
-                lambda compute: shape_sizes(PRESETS["llama-7b"], compute))
+                lambda compute, experts: shape_sizes(PRESETS["llama-7b"], compute))

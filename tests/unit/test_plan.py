@@ -35,11 +35,12 @@ def shape():
     return PRESETS["llama-7b"]
 
 
-def sizes(compute: torch.dtype):
+def sizes(compute: torch.dtype, experts: torch.dtype | None = None):
     """A small model as the store lays it out: an embedding, LAYERS layers (a matrix streamed in the compute
-    dtype and a norm in fp32), a final norm, a head."""
+    dtype, routed experts in ``experts`` if any, and a norm in fp32), a final norm, a head."""
     units = [[TensorSpec(1000 * HIDDEN, True, torch.float32)]]
-    units += [[TensorSpec(4 * HIDDEN * HIDDEN, True, compute), TensorSpec(HIDDEN, True, torch.float32)]] * LAYERS
+    routed = [TensorSpec(8 * HIDDEN * HIDDEN, True, experts)] if experts is not None else []
+    units += [[TensorSpec(4 * HIDDEN * HIDDEN, True, compute), *routed, TensorSpec(HIDDEN, True, torch.float32)]] * LAYERS
     units += [[TensorSpec(HIDDEN, True, torch.float32)], [TensorSpec(1000 * HIDDEN, True, compute)]]
     return [lay_out([TensorSpec(s.numel, s.trainable, s.wire) for s in unit]) for unit in units]
 
@@ -177,6 +178,9 @@ ROWS = [
     ("max_seq_len places the checkpoints", dict(max_seq_len=262144), H100, dict(bf16=True),
      ("adjusts", "max_seq_len placement", lambda p: (p.activations.offload_checkpoints, p.activations.checkpoint_interval,
                                                      p.host.staging) == (True, 8, False))),
+    ("experts whose kernel ignores autocast", {}, {}, dict(bf16=True, experts="grouped_mm"),
+     ("adjusts", "experts fp32", lambda p: p.precision.experts == torch.float32
+      and p.precision.compute == torch.bfloat16)),
 ]
 
 
@@ -255,3 +259,37 @@ def test_resident_units_are_validated():
     for value in (-1, "all", 1.5, True, None):
         with pytest.raises(MegatrainError, match=r"resident_units=.*allowed: 'auto'"):
             MegaTrainConfig(resident_units=value)
+
+
+@pytest.mark.parametrize("options, run, experts", [
+    ({}, dict(bf16=True, experts="grouped_mm"), torch.float32),  # plain bf16 computes them in fp32
+    ({}, dict(bf16=True, experts="batched_mm"), torch.float32),  # its gather sums gradients in the weights' dtype
+    ({}, dict(bf16=True, experts="my_kernel"), torch.float32),  # a kernel not known to follow autocast
+    ({}, dict(bf16=True, experts="eager"), torch.bfloat16),  # F.linear per expert: autocast's own rounding
+    (dict(experts_dtype="compute"), dict(bf16=True, experts="grouped_mm"), torch.bfloat16),
+    ({}, dict(bf16=False, experts="grouped_mm"), torch.float32),  # fp32 compute: nothing to decide
+    ({}, dict(bf16=True), None),  # a dense model
+])
+def test_the_routed_experts_dtype(options, run, experts):
+    plan = resolve(MegaTrainConfig(**options), Machine(CPU), Run(**run), sizes)
+    assert plan.precision.experts == experts
+    noted = "experts fp32" in [key for key, _ in plan.adjustments]
+    assert noted == (experts == torch.float32 and run["bf16"])
+
+
+def test_fp32_experts_are_admitted_with_their_bytes():
+    """The admission counts the experts the plan sends in fp32 without a staging copy: RAM that holds the
+    bf16-experts layout's tiers minus their staging copy fits the fp32 one and not the bf16 one."""
+    compute = torch.bfloat16
+    config = MegaTrainConfig(host_staging="auto")
+
+    def need(experts):
+        return sum(host_tiers(sizes(compute, experts), compute, staging=True).values()) + DEFAULT_HEADROOM_BYTES
+
+    assert need(torch.float32) < need(torch.bfloat16)  # no staging copy of the fp32 experts
+    machine = Machine(CPU, ram_available=need(torch.float32))
+    kept = resolve(config, machine, Run(bf16=True, experts="grouped_mm"), sizes)
+    assert kept.host.staging and kept.precision.experts == torch.float32
+    dropped = resolve(MegaTrainConfig(host_staging="auto", experts_dtype="compute"), machine,
+                      Run(bf16=True, experts="grouped_mm"), sizes)
+    assert not dropped.host.staging  # the bf16 experts' staging copy does not fit that RAM

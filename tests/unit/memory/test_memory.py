@@ -11,8 +11,7 @@ import torch
 import transformers
 
 from tests.helpers import FAMILY_CONFIGS, tiny_model
-from megatrain_hf import memory
-from megatrain_hf.core import store
+from megatrain_hf import MegaTrainConfig, attach, memory
 from megatrain_hf.cli.estimate import estimate_main
 from megatrain_hf.errors import HostMemoryError, MegatrainConfigError, UnsupportedModelError
 from megatrain_hf.memory import (
@@ -53,19 +52,19 @@ def _units(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return [(f"unit{i}", m) for i, m in enumerate(mods)]
 
 
-def _store_tiers(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, int]:
+def _store_tiers(model: torch.nn.Module, dtype: torch.dtype, experts_dtype: str = "auto") -> dict[str, int]:
     """Bytes the real HostStore allocates (+ HostAdamW's two moments, same numel as the masters),
-    with the units as the engine finds them (the family record)."""
-    from megatrain_hf.models.families import family_of
-
-    located = family_of(model).locate(model)
-    hs = store.HostStore(list(zip(located.names, located.modules)), compute_dtype=dtype, pin=False,
-                         embedding_units=located.embedding_units)
+    as the engine builds it (the family's units, the routed experts' dtype the plan decides)."""
+    config = MegaTrainConfig(compute_dtype="bf16" if dtype == torch.bfloat16 else "fp32", experts_dtype=experts_dtype,
+                             check_host_memory=False)
+    engine = attach(model, config, device="cpu")
+    hs = engine.store
     staging = sum(b.staging_host.numel() * b.staging_host.element_size() for b in hs.buffers
                   if b.staging_host is not None)
     frozen = sum(t.numel() * t.element_size() for b in hs.buffers for t in b.frozen_host.values())
     masters = hs.trainable_numel() * 4
     assert hs.host_bytes() == 2 * masters + staging + frozen
+    engine.detach()
     return {"master": masters, "grad": masters, "exp_avg": masters, "exp_avg_sq": masters,
             "staging": staging, "frozen": frozen, "checkpoints": 0}  # no offloaded checkpoints
 
@@ -185,6 +184,39 @@ def test_host_plan_is_exact_against_the_real_store(kw, dtype):
     assert plan.host_total == sum(real.values())
     if dtype == "fp32":
         assert plan.host_staging == 0 and plan.bytes_per_trainable_param == pytest.approx(16, rel=0.01)
+
+
+@pytest.mark.parametrize("experts_dtype", ["auto", "compute"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_host_plan_is_exact_for_either_experts_dtype(family, experts_dtype):
+    """fp32 routed experts ("auto" under transformers' grouped_mm) have no staging copy; the planner lays them
+    out as the engine's store does, and "compute" gives them one (bf16 on the wire like every matrix)."""
+    model = _odd(family)
+    shape = ModelShape.from_hf_config(model.config)
+    assert shape.experts_kernel == model.config._experts_implementation == "grouped_mm"
+    plan = plan_memory(shape, seq_len=8, micro_batch=1, experts_dtype=experts_dtype)
+    assert plan.host_breakdown() == _store_tiers(model, torch.bfloat16, experts_dtype)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    other = plan_memory(shape, seq_len=8, micro_batch=1, experts_dtype="compute" if experts_dtype == "auto" else "auto")
+    staged = 1 if experts_dtype == "compute" else -1
+    assert plan.host_staging - other.host_staging == staged * 2 * experts  # the experts' bf16 copy, alignment aside
+    assert (plan.gpu_weight_slots < other.gpu_weight_slots) == (experts_dtype == "compute")
+
+
+def test_lora_plan_is_exact_with_fp32_experts():
+    """LoRA on an MoE model: the frozen experts are stored in their wire dtype, fp32 under "auto" (4 B each
+    instead of 2), as the planner counts them."""
+    peft = pytest.importorskip("peft")
+    shape = ModelShape.from_hf_config(_odd("mixtral").config)
+    frozen = {}
+    for experts_dtype in ("auto", "compute"):
+        model = peft.get_peft_model(_odd("mixtral"), peft.LoraConfig(
+            r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], lora_dropout=0.0))
+        plan = plan_memory(shape, seq_len=8, micro_batch=1, lora_rank=4, experts_dtype=experts_dtype)
+        assert plan.host_breakdown() == _store_tiers(model, torch.bfloat16, experts_dtype)
+        frozen[experts_dtype] = plan.host_frozen
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert frozen["auto"] - frozen["compute"] == 2 * experts
 
 
 def test_host_plan_is_exact_for_tied_embeddings():
