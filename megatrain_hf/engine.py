@@ -46,7 +46,7 @@ from .core.template import TemplateCache
 from .models.checks import check_compile_dropout, check_coverage, check_fp32, check_liger_head, prepare_graph_call
 from .models.families import INPUT_KWARGS, family_of, unwrap
 from .models.flops import flops_parameters
-from .models.model_patches import install_model
+from .models.model_patches import install_model, wrapper_chain
 from .models.loading import deferred_weights
 from .models.base_quantization import quantized_weights
 from .models.experts import routed_experts
@@ -138,7 +138,7 @@ class Engine:
             deferred.finish(model)
         self.streams = streams if streams is not None else streams_for(device)
         self.streamer = Streamer(self.store, device, self.stats, self.streams)
-        self.resident = ResidentState.build(self.store, self.streamer, plan.residency.units, device, dtype)
+        self.resident = ResidentState.build(self.store, self.streamer, plan.residency.units, device, dtype, self.streams)
         self.grads = GradSink(self.store, self.stats, self.streams, host_threads=self.host_threads)
         self.grad_keeper = None  # device_update: the device sums kept for the device's share of the update
         if plan.optimizer.device_update:
@@ -178,6 +178,8 @@ class Engine:
         self.chunked_loss_active = plan.loss.chunked  # the integration may turn it on ("auto")
         self.chunked_loss_installed = False
         self._install(model)
+        if self.resident is not None:  # zero_grad of the model, its wrappers and units empties the device gradients
+            self.resident.wrap_zero_grad(self.patcher, [*wrapper_chain(model), *(unit.module for unit in units)])
         for unit in units:  # what _install set on the real modules is the engine's own: never mirrored
             unit.mirror.seal()
         logger.info(
@@ -328,6 +330,8 @@ class Engine:
         """Undo every change to the model. Parameters stay in host RAM (in the store's flats)."""
         self.synchronize()
         self.patcher.undo()
+        if self.resident is not None:
+            self.resident.detach()  # the device gradients become .grad (host copies)
         self.streamer.drop_prefetched()
         if self.streams is not None:
             self.streams.synchronize()  # no copy still reads the flats we unpin
@@ -350,12 +354,13 @@ class Engine:
         step (weights, moments and step counts unchanged; logged; ``on_nonfinite(norm)`` instead, if
         given); another optimizer gets the gradients as plain clipping leaves them. Returns the total
         norm, as torch does. ``norm_type`` other than 2
-        runs torch's own clipping over the host gradients.
+        runs torch's norm and multiply over the gradients (``GradSink.gradients``).
         """
-        params = [e.tensor for u in range(len(self.store.entries)) for e in self.store.owned_trainable(u)]
-        if float(norm_type) != 2.0:
+        if float(norm_type) != 2.0:  # torch's norm over every gradient (a resident unit's on the device too)
             self.grads.finish()
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            norm = torch.nn.utils.get_total_norm(self.grads.gradients(), norm_type)
+            self.grads.scale_(torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0))
+            return norm
         norm = self.grads.global_norm()  # every gradient is on the host once backward returned
         deferred = defer and hasattr(optimizer, "set_clip_coef")
         if not bool(torch.isfinite(norm)):
@@ -372,9 +377,8 @@ class Engine:
         if deferred:
             optimizer.set_clip_coef(coef)
             return norm
-        grads = [p.grad for p in params if p.grad is not None]
-        if float(coef) < 1.0 and grads:
-            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        if float(coef) < 1.0:
+            self.grads.scale_(coef)
         return norm
 
     # ------------------------------------------------------------------ data parallelism: the whole model

@@ -378,8 +378,8 @@ RULES: tuple[Rule, ...] = (
                    "data_parallel=False (each rank trains alone), or run one process."),
     Rule(("resident_units", "machine: CUDA"),
          lambda f: f.resident and f.machine is not None and f.machine.device.type == "cuda",
-         _resident_needs("the CUDA path of resident units is not built yet (gradients would need a device "
-                         "`.grad` of a host parameter, which torch refuses; docs/log.md)",
+         _resident_needs("the CUDA path of resident units is tested on the CPU through emulated CUDA streams but "
+                         "has not run on a GPU yet (tests/gpu/test_resident_gpu.py; docs/log.md)",
                          "train on CUDA with resident_units='auto' (0 there for now)")),
     Rule(("resident_units", "an optimizer other than HostAdamW"),
          lambda f: f.resident and (not f.config.replace_adamw or f.host_adamw is False),
@@ -444,7 +444,7 @@ ADJUSTMENTS: dict[str, tuple[tuple[str, str], str]] = {
                                     "gradients on the GPU (no room is planned for them)"),
     "threads": (("host_threads=None", "machine: CPUs"), "every CPU this process may run on"),
     "resident auto": (("resident_units='auto'", "machine: device, GPU budget"), "0 on the CPU; on CUDA the count "
-                      "that fits the budget less the step's working set is reported, 0 placed (not built on CUDA)"),
+                      "that fits the budget less the step's working set is reported, 0 placed (until a GPU run measured it)"),
     "resident clamped": (("resident_units", "the model's units"), "a count above the number of units keeps every "
                          "unit resident"),
     "chunked_loss auto": (("chunked_loss='auto'", "entry point"), "off at attach; the Trainer integration turns it "

@@ -129,7 +129,7 @@ def _resident(plan: TrainingPlan) -> str:
     if r.fit is None:
         return f"{len(r.units)} (no GPU budget given: --gpu-gib)" if not r.units else f"{len(r.units)} placed"
     room = f"{r.fit} fit {gib(r.budget)} GiB (the GPU budget less the streamed step's {gib(plan.run.gpu_working_set or 0)})"
-    return f"{len(r.units)} placed; {room}" + ("; 0 placed on CUDA until its path is built"
+    return f"{len(r.units)} placed; {room}" + ("; 0 placed on CUDA until a GPU run measured it"
                                                if plan.config.resident_units == "auto" and r.fit else "")
 
 

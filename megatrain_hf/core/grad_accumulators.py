@@ -10,8 +10,8 @@ bf16, and an fp32 accumulator would hold the same values -- so a second contribu
 an fp32 gradient, raises instead of rounding. The last unit (the head) keeps fp32 accumulators: the
 chunked loss sums its weight gradient over chunks in fp32.
 
-A resident unit's accumulator is a flat on the compute device instead (``device_flats``, set by
-``resident.py``); :meth:`region` hands out its slices the same way.
+A resident unit's gradients (``resident_units``) accumulate on the compute device instead
+(``resident.py``); its host accumulator here is not used.
 
 ``param.grad`` is a view of the accumulator (torch's ``Tensor.grad_dtype`` lets a bf16 view be the
 gradient of an fp32 parameter); ``zero_grad(set_to_none=True)`` drops the view and the next
@@ -46,7 +46,6 @@ class GradAccumulators:
         self.store = store
         self.grad_dtype = grad_dtype
         self.low_units = low_precision_units(len(store.entries), grad_dtype)
-        self.device_flats: dict[int, torch.Tensor] = {}  # resident units' fp32 accumulators on the device (resident.py)
 
     def allocate(self, u: int, bufs, n_train: int, n_staged: int) -> None:
         low = u in self.low_units and n_staged > 0
@@ -80,9 +79,6 @@ class GradAccumulators:
     def region(self, e: Entry) -> torch.Tensor:
         """Entry ``e``'s slice of its owner's gradient accumulator (flat; bf16 where :meth:`is_low`)."""
         bufs = self.store.buffers[e.owner]
-        device = self.device_flats.get(e.owner)
-        if device is not None:
-            return device[e.offset : e.offset + e.numel]
         if bufs.grad_low is None:
             return bufs.grad_host[e.offset : e.offset + e.numel]
         if e.offset < bufs.n_staged:

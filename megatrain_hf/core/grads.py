@@ -10,6 +10,10 @@ CPU, or over the grad stream) moves what is sent into the accumulators and recor
 (``norms.py``). ``wait()`` runs at the end of every backward pass, so when ``loss.backward()``
 returns every ``param.grad`` is complete, as in plain PyTorch.
 
+A resident unit (``resident_units``, ``resident.py``) has no landing: its gradients are added into its
+device accumulator on the compute stream (no copy down), its norms recorded as device scalars; its
+parameters' ``.grad`` stays None (:meth:`gradients` lists every gradient, those too).
+
 Tensor hooks on parameters (``p.register_hook``, ``register_post_accumulate_grad_hook``) run as
 autograd runs them: on the parameter's whole gradient of the backward pass (fp32, on the
 parameter's device: the host), in registration order, before it is accumulated; the
@@ -27,9 +31,11 @@ from typing import Callable
 
 import torch
 
+from ..errors import UsageError
 from .grad_landing import MAX_PENDING_SENDS, InlineLanding, StreamLanding, Sums
 from .layout import Entry, Kind
 from .norms import NormBook
+from .resident import RESIDENT_GRAD_FIX
 from .store import HostStore
 
 logger = logging.getLogger(__name__)
@@ -149,6 +155,10 @@ class GradSink:
 
     def _send(self, u: int, local: Sums, want_norm: bool, timed: bool = True) -> None:
         """Unit ``u``'s gradients (owned by ``u``) to its landing; hooked parameters synchronously."""
+        resident = self.store.resident
+        if resident is not None and u in resident.grad:
+            self._add_resident(u, _merge_duplicates(local), want_norm)
+            return
         before = self.norm_book.key(u) if self.send_listeners else None
         merged = _merge_duplicates(local)
         hooked = [(e, g) for e, g in merged if has_tensor_hooks(e.tensor)]
@@ -160,9 +170,26 @@ class GradSink:
         for listener in self.send_listeners:  # the sums sent describe all of .grad only without hooked ones
             listener(u, before, None if hooked else sums, merged)
 
+    def _add_resident(self, u: int, merged: Sums, want_norm: bool) -> None:
+        """A resident unit's gradients into its device accumulator; its norms on the device."""
+        resident = self.store.resident
+        for e, g in merged:
+            if has_tensor_hooks(e.tensor):
+                self._accumulate_hooked(e, g)  # (refused)
+            resident.add(e, g, self.store.entry_name(u, e))
+        if want_norm:
+            self.norm_book.refresh(u)
+        else:
+            self.norm_book.forget(u)
+
     def _accumulate_hooked(self, e: Entry, g: torch.Tensor) -> None:
         """The synchronous host path of a parameter with tensor hooks (see module docstring)."""
         param = e.tensor
+        if self.store.resident is not None and self.store.resident.holds(e):
+            raise UsageError(
+                f"megatrain: {self.store.entry_name(e.owner, e)} has tensor hooks, which run on the host "
+                "gradient of a parameter, but its unit is kept on the compute device (resident_units), where "
+                f"its gradient accumulates without one. {RESIDENT_GRAD_FIX}")
         accumulators = self.store.accumulators
         grad = g.detach().to("cpu", accumulators.region(e).dtype).view(e.shape)
         for hook in (param._backward_hooks or {}).values():
@@ -180,7 +207,11 @@ class GradSink:
         """Accumulate tied-weight contributions whose owner did not run in this backward: summed
         first, then accumulated once, the tensor hooks run on that sum (the pass's whole gradient)."""
         pending, self._foreign = self._foreign, {}
+        resident = self.store.resident
         for owner, items in pending.items():
+            if resident is not None and owner in resident.grad:
+                self._add_resident(owner, _merge_duplicates(items), want_norm=False)
+                continue
             for e, g in _merge_duplicates(items):
                 if has_tensor_hooks(e.tensor):
                     self._accumulate_hooked(e, g)
@@ -221,6 +252,25 @@ class GradSink:
         squares all-reduced as one scalar."""
         self.finish()
         return self.norm_book.global_norm()
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Every trainable tensor's gradient of this step, in unit order: ``.grad``, or a resident unit's
+        device gradient (what clipping multiplies)."""
+        resident, out = self.store.resident, []
+        for u in range(len(self.store.entries)):
+            for e in self.store.owned_trainable(u):
+                g = resident.gradient(e) if resident is not None and resident.holds(e) else e.tensor.grad
+                if g is not None:
+                    out.append(g)
+        return out
+
+    def scale_(self, coef: torch.Tensor) -> None:
+        """Multiply every gradient by ``coef`` in place (``clip_grad_norm_``'s multiply, per device)."""
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in self.gradients():
+            by_device.setdefault(g.device, []).append(g)
+        for device, grads in by_device.items():
+            torch._foreach_mul_(grads, coef.to(device))
 
     def hooked_parameters(self) -> list[str]:
         """Names of trainable parameters with tensor hooks (they need one backward per micro-batch)."""

@@ -15,7 +15,9 @@ copies of unit buffers (uploaded once, e.g. Gemma3's ``embed_scale``). Before re
 host flats the streamer waits until no background optimizer update is writing them; an upload
 issued before the masters changed is dropped (``gates.generation``).
 
-A unit the plan keeps on the device (``resident.py``) is read from its device flats: no copy.
+A unit the plan keeps on the device (``resident.py``) is read from its device flats: no copy, no
+readiness gate (its update is stream-ordered: each fetch makes the compute stream wait for the unit's
+last update, ``ResidentState.before_read``), and an upload of nothing else has no event to wait for.
 
 Quantized frozen weights (``quant.py``) cross the link as bytes and are dequantized on the compute
 stream when the unit is fetched, into one device flat per unit in the compute dtype (the template
@@ -42,6 +44,7 @@ class _Upload:
     flats: dict[tuple, tuple[torch.Tensor, int]]  # (owner, source key) -> (device flat, base offset)
     ready: Any  # event recorded on the copy stream after the last copy (None: nothing was copied)
     generation: tuple[int, ...]
+    copied: list[torch.Tensor]  # the flats this upload brought (not a resident unit's device flats)
 
 
 class Streamer:
@@ -77,21 +80,27 @@ class Streamer:
 
     def _issue(self, u: int) -> _Upload:
         """Upload unit ``u``'s host flats: one copy per source flat, as one batch (``uploads.py``)."""
+        resident = self.device_state.units if self.device_state is not None else frozenset()
+        flats: dict[tuple, tuple[torch.Tensor, int]] = {}
+        for owner, key in self._sources[u]:
+            if owner in resident:  # on the device already: no copy, no gate
+                flats[(owner, key)] = self.device_state.source(owner, key)
+        owners = [owner for owner in self._owners[u] if owner not in resident]
+        if self._owners[u] and not owners:  # every flat it reads is a resident unit's
+            return _Upload(flats, None, self._generation(u), [])
         self.stats.uploads += 1
         started = time.perf_counter()
-        for owner in self._owners[u]:
+        for owner in owners:
             self.store.gates.wait_ready(owner)  # no background update is writing these masters
         self.stats.optimizer_wait_s += time.perf_counter() - started
-        self.store.ownership.before_read(self._owners[u], self.uploads)  # (data parallelism: the owners' masters)
-        flats: dict[tuple, tuple[torch.Tensor, int]] = {}
+        self.store.ownership.before_read(owners, self.uploads)  # (data parallelism: the owners' masters)
         with self.uploads.batch() as batch:
             for owner, key in self._sources[u]:
-                if self.device_state is not None and owner in self.device_state.units:  # on the device already
-                    flats[(owner, key)] = self.device_state.source(owner, key)
-                    continue
-                host, base = self.store.source(owner, key)
-                flats[(owner, key)] = (batch.copy(host, key[1]), base)
-        return _Upload(flats, batch.ready, self._generation(u))
+                if owner not in resident:
+                    host, base = self.store.source(owner, key)
+                    flats[(owner, key)] = (batch.copy(host, key[1]), base)
+        copied = [flats[(owner, key)][0] for owner, key in self._sources[u] if owner not in resident]
+        return _Upload(flats, batch.ready, self._generation(u), copied)
 
     def prefetch(self, u: int) -> None:
         if self.uploads.prefetches and 0 <= u < len(self._sources) and u not in self._inflight:
@@ -108,7 +117,10 @@ class Streamer:
                 upload = self._issue(u)
             self._resident = (u, upload)
         self.stats.fetches += 1
-        self.uploads.wait(upload.ready, [dev for dev, _ in upload.flats.values()])
+        if upload.copied:
+            self.uploads.wait(upload.ready, upload.copied)
+        if self.device_state is not None:
+            self.device_state.before_read(self._owners[u])
         tensors: dict[str, torch.Tensor] = {}
         for e in self.store.entries[u]:
             if e.kind is Kind.BUFFER:

@@ -179,13 +179,16 @@ class MemoryOptions:
     AdamW kernel, the same clip multiply and non-finite skip as the host update), so they are never
     streamed; the rest streams from the host as usual. Exact: every loss and weight equals the streamed
     run's, and checkpoints are the same files (the device state is copied down before a save or
-    `state_dict`, and up after a load). Costs 16 B per trainable parameter of those units on the device
-    (plus their compute-dtype copy and frozen weights). `"auto"`: as many units as fit the GPU budget
+    `state_dict`, and up after a load). Their parameters' `.grad` stays None: the gradients are on the
+    device (clipping, the norm and the optimizer read them there; `zero_grad` of the model or the
+    optimizer empties them). Costs 16 B per trainable parameter of those units on the device (plus their
+    compute-dtype copy and frozen weights). `"auto"`: as many units as fit the GPU budget
     (`max_gpu_memory`, less the streamed step's working set) -- printed by `megatrain estimate
-    --gpu-gib`; 0 on the CPU, and 0 on CUDA until the CUDA path is built (docs/log.md); an int: that
-    many (the CPU is the "device" in tests); `0`: off. Needs megatrain's HostAdamW with fp32 moments in
-    RAM and fp32 gradient accumulators; refused with data parallelism, `device_update`, `offload_dir`
-    and on CUDA (not built yet)."""
+    --gpu-gib`; 0 on the CPU, and 0 placed on CUDA until a GPU run measured the path; an int: that many
+    (the CPU is the "device" in tests); `0`: off. Needs megatrain's HostAdamW with fp32 moments in RAM
+    and fp32 gradient accumulators; refused with data parallelism, `device_update`, `offload_dir`, tensor
+    hooks on those parameters, and on CUDA (written and tested on the CPU through the emulated CUDA
+    streams, not yet run on a GPU: tests/gpu/test_resident_gpu.py)."""
 
     def gpu_memory_bytes(self) -> int | None:
         """``max_gpu_memory`` in bytes (None without a budget)."""

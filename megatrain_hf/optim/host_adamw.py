@@ -306,7 +306,10 @@ class HostAdamW(torch.optim.Optimizer):
 
     def _snapshot(self, gi: int, entries: list[Entry], clip: torch.Tensor | None) -> GroupWork | None:
         group = self.param_groups[gi]
-        updated = [e for e in entries if e.tensor.grad is not None]
+        resident = self.store.resident  # a resident unit's gradients are on the device, its .grad None
+        grads = [resident.gradient(e) if resident is not None and resident.holds(e) else e.tensor.grad
+                 for e in entries]
+        updated = [e for e, g in zip(entries, grads) if g is not None]
         if not updated:
             return None
         lr = group["lr"]
@@ -314,7 +317,7 @@ class HostAdamW(torch.optim.Optimizer):
             entries=updated,
             steps=[self.state[e.tensor]["step"] for e in updated],
             params=[e.tensor for e in updated],
-            grads=[e.tensor.grad for e in updated],
+            grads=[g for g in grads if g is not None],
             lr=lr.clone() if isinstance(lr, torch.Tensor) else lr,
             beta1=group["betas"][0],
             beta2=group["betas"][1],
@@ -349,6 +352,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         zero_grad_after(self._finish_update, super().zero_grad, set_to_none)
+        if self.store.resident is not None:  # the resident units' gradients, on the device
+            self.store.resident.zero_grad(set_to_none, frozenset(id(p) for g in self.param_groups for p in g["params"]))
 
     def close(self) -> None:
         """Stop the worker thread (after finishing pending updates)."""

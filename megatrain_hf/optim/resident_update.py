@@ -1,14 +1,19 @@
 """HostAdamW's scheduler when units are resident on the device (``MegaTrainConfig(resident_units=N)``).
 
 :class:`ResidentWorker` is the default :class:`~.update_worker.HostWorker` (one worker, units in forward
-order, readiness gates) whose resident units (``core/resident.py``) are updated on the device state
-instead of the host flats: their fp32 masters, gradient accumulators and moments there, in place,
-nothing copied down. The arithmetic is :func:`~.kernels.torch_update`'s: the step counts incremented,
-``clip_grad_norm_``'s multiply by the step's clip coefficient, then ``torch._fused_adamw_`` (the kernel of
-``AdamW(fused=True)``; on the CPU the same kernel on the same values as the host update: bitwise). A
-step the optimizer skips (non-finite gradient norm) dispatches nothing, for these units as for the
-others. HostAdamW's ``synchronize()`` (its ``state_dict``, the state files) copies the device state down
-(``export``); its loads copy the moments up (``imported``).
+order, readiness gates) for the streamed units; the resident units' jobs (``core/resident.py``) do not
+go to it: ``dispatch`` issues them at once, in the training thread, on the device state (fp32 masters,
+gradient accumulators and moments there, in place, nothing copied down), in the device's stream order
+(``ResidentState.run_update``: on CUDA a side stream after the step's gradients, whose event the next
+fetch of the unit waits on; on the CPU inline). No readiness gate is closed for them.
+
+The arithmetic is :func:`~.kernels.torch_update`'s: the step counts incremented (on the host, where
+HostAdamW keeps them; their values go up), ``clip_grad_norm_``'s multiply by the step's clip coefficient,
+then ``torch._fused_adamw_`` (the kernel of ``AdamW(fused=True)``; on the CPU the same kernel on the
+same values as the host update: bitwise). A step the optimizer skips (non-finite gradient norm)
+dispatches nothing, for these units as for the others. HostAdamW's ``synchronize()`` (its
+``state_dict``, the state files) copies the device state down (``export``); its loads copy the moments
+up (``imported``).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from .update_worker import HostWorker
 
 
 class ResidentWorker(HostWorker):
-    """The host worker; the resident units' jobs run on the device state (see module docstring)."""
+    """The host worker for the streamed units; the resident units' updates in stream order (see module docstring)."""
 
     def __init__(self, updater, gates, threads: int, resident) -> None:
         super().__init__(updater, gates, threads)
@@ -32,11 +37,13 @@ class ResidentWorker(HostWorker):
         """``HostAdamW(scheduler=...)``'s builder of this scheduler over ``resident``."""
         return lambda updater, gates, threads: cls(updater, gates, threads, resident)
 
-    def update(self, job: UnitJob) -> None:
-        if job.unit in self.resident.units:
-            update_on_device(self.resident, job)
-        else:
-            self.updater.update(job)
+    def dispatch(self, jobs: list[UnitJob]) -> None:
+        """The streamed units' jobs to the host worker; the resident units' issued now."""
+        units = self.resident.units
+        super().dispatch([job for job in jobs if job.unit not in units])
+        for job in jobs:
+            if job.unit in units:
+                self.resident.run_update(job.unit, lambda job=job: update_on_device(self.resident, job))
 
     def export(self) -> None:
         self.resident.sync_down()
@@ -46,19 +53,19 @@ class ResidentWorker(HostWorker):
 
 
 def update_on_device(resident, job: UnitJob) -> None:
-    """AdamW of one resident unit on its device state, as ``kernels.torch_update`` on the host flats."""
+    """AdamW of one resident unit on its device state, as ``kernels.torch_update`` on the host flats (run on
+    the stream ``ResidentState.run_update`` chose)."""
     u, device = job.unit, resident.device
     for w in job.work:
         params, exp_avgs, exp_avg_sqs = resident.entry_views(u, w.entries)
-        torch._foreach_add_(w.steps, 1)
-        # the gradients snapshotted by step(): the device accumulators (or a tensor the user put in .grad)
-        grads = [g if g.device == device else g.to(device) for g in w.grads]
-        grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
+        torch._foreach_add_(w.steps, 1)  # HostAdamW's counters (host scalars): their new values go up
+        steps = list(torch.stack(w.steps).to(device).unbind())
+        grads = w.grads  # views of the device accumulators, snapshotted by step()
         if w.clip is not None:
             torch._foreach_mul_(grads, w.clip.to(device))  # exactly clip_grad_norm_'s multiply
-        steps = w.steps if device.type == "cpu" else [s.to(device) for s in w.steps]
+        lr = w.lr.to(device) if isinstance(w.lr, torch.Tensor) else w.lr
         torch._fused_adamw_(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=w.lr, beta1=w.beta1,
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr, beta1=w.beta1,
             beta2=w.beta2, weight_decay=w.weight_decay, eps=w.eps, maximize=w.maximize, grad_scale=None,
             found_inf=None,
         )

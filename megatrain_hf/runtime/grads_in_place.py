@@ -15,7 +15,8 @@ itself:
   one add per token into its row, in token order), without its temporary.
 
 The region is handed to the sink as the gradient; the sink sees the accumulator itself and copies
-nothing (``GradAccumulators.accumulate``). Only on the CPU path (no streams), without data parallelism,
+nothing (``GradAccumulators.accumulate``). Only on the CPU path (no streams), not for a resident unit
+(``core/resident.py``: its gradients take the device path on every device), without data parallelism,
 outside a layer-major group, for tensors the unit owns, without tensor hooks, whose accumulator is in
 the dtype the gradient is computed in; everything else takes autograd's temporary as before.
 """
@@ -40,9 +41,11 @@ def landing_regions(grads: GradSink, u: int, trained: list[Entry]) -> dict[str, 
     store = grads.store
     if not grads.landing.in_place or not store.ownership.lands_in_place or grads.in_group:
         return {}
-    regions = {}
+    regions, resident = {}, store.resident
     for e in trained:
         if e.owner != u or e.tensor.grad is not None or has_tensor_hooks(e.tensor):
+            continue
+        if resident is not None and resident.holds(e):  # accumulated on the device (core/resident.py)
             continue
         region = store.accumulators.region(e)
         if region.device.type == "cpu" and region.dtype == torch.float32:

@@ -5,6 +5,12 @@ Through Trainer + the plugin, fp32, ``max_grad_norm`` small enough that every st
 the streamed run's (``resident_units=0``) bitwise; the checkpoints' model and optimizer files are the
 same bytes; a resume from a mid-run checkpoint ends where the uninterrupted run ends. The device state
 is a separate copy on the CPU, so the host flats are not what trains.
+
+Each runs on the plain CPU path and over ``EmulatedStreams`` (``emulated``): the CUDA code of resident
+units -- gradients added into the device accumulator on the compute stream with ``.grad`` left None, norms
+as device scalars, the update on a side stream whose event each fetch waits on -- with events that
+complete late. The hand loops check the gradient path on its own: accumulation, clipping deferred and
+not (any norm type), ``zero_grad`` of the optimizer and of the model (in place too), a NaN skip.
 """
 
 from __future__ import annotations
@@ -17,14 +23,19 @@ import torch
 from tests.helpers import assert_same_state, optimizer_files, state_of, tiny_model, train, training_args
 
 from megatrain_hf import HostAdamW, MegaTrainConfig, MegaTrainPlugin, attach
-from megatrain_hf.errors import IncompatibleOptionsError
+from megatrain_hf.core.streams import EmulatedStreams
+from megatrain_hf.errors import IncompatibleOptionsError, UsageError
 
 ALL = 99  # more than the tiny model's units: every unit resident
+LATE = 0.005  # the emulated streams' events complete this late
+PATHS = [pytest.param(False, id="inline"), pytest.param(True, id="emulated")]
 
 
-def _run(tmp_path, name, resident, model=None, resume=None, bf16=False, **args):
+def _run(tmp_path, name, resident, model=None, resume=None, bf16=False, emulated=False, **args):
     model = model if model is not None else tiny_model("llama")
     config = MegaTrainConfig(resident_units=resident)
+    if emulated:  # attached first with the emulated streams; the plugin reuses the engine (same options)
+        attach(model, config, device="cpu", bf16=bf16, streams=EmulatedStreams(latency_s=LATE))
     trainer, losses = train(model, training_args(tmp_path / name, max_grad_norm=0.05, bf16=bf16, **args),
                             callbacks=[MegaTrainPlugin(config)], resume=resume)
     return trainer, model, losses
@@ -34,11 +45,13 @@ def _files(folder) -> dict[str, bytes]:
     return {name: (folder / name).read_bytes() for name in sorted(os.listdir(folder)) if name.endswith(".safetensors")}
 
 
+@pytest.mark.parametrize("emulated", PATHS)
 @pytest.mark.parametrize("resident", [2, ALL], ids=["two-units", "every-unit"])
-def test_resident_units_train_like_the_streamed_run(tmp_path, resident):
+def test_resident_units_train_like_the_streamed_run(tmp_path, resident, emulated):
     _, ref, ref_losses = _run(tmp_path, "streamed", 0)
-    trainer, got, losses = _run(tmp_path, "resident", resident)
+    trainer, got, losses = _run(tmp_path, "resident", resident, emulated=emulated)
     engine = got._megatrain_engine
+    assert (engine.streams is not None) == emulated
     units = len(engine.units)
     assert engine.resident is not None and engine.resident.units == frozenset(range(min(resident, units)))
     assert engine.plan.residency.units == engine.resident.units
@@ -54,13 +67,14 @@ def test_resident_device_state_is_what_trains(tmp_path):
     for u in resident.units:
         assert resident.master[u].data_ptr() != store.buffers[u].master_host.data_ptr()
         assert torch.equal(resident.master[u], store.buffers[u].master_host)  # synchronized at the end of train()
-        e = store.owned_trainable(u)[0]
-        assert e.tensor.grad is None or e.tensor.grad.data_ptr() == resident.grad[u][e.offset:].data_ptr()
+        for e in store.owned_trainable(u):
+            assert e.tensor.grad is None  # on every device: the gradient is the device accumulator's
     assert not resident.host_stale
 
 
-def test_resident_checkpoints_and_resume_equal_the_streamed_run(tmp_path):
-    args = dict(save_strategy="steps", save_steps=3)
+@pytest.mark.parametrize("emulated", PATHS)
+def test_resident_checkpoints_and_resume_equal_the_streamed_run(tmp_path, emulated):
+    args = dict(save_strategy="steps", save_steps=3, emulated=emulated)
     ref_trainer, ref, ref_losses = _run(tmp_path, "streamed", 0, **args)
     trainer, got, losses = _run(tmp_path, "resident", 2, **args)
     assert losses == ref_losses
@@ -75,36 +89,87 @@ def test_resident_checkpoints_and_resume_equal_the_streamed_run(tmp_path):
     assert_same_state(state_of(ref), state_of(resumed))
 
 
-def test_resident_units_with_bf16_compute_equal_the_streamed_run(tmp_path):
+@pytest.mark.parametrize("emulated", PATHS)
+def test_resident_units_with_bf16_compute_equal_the_streamed_run(tmp_path, emulated):
     """bf16 compute: the resident units' compute-dtype copy is refreshed by each device update."""
     _, ref, ref_losses = _run(tmp_path, "streamed", 0, bf16=True, max_steps=4)
-    _, got, losses = _run(tmp_path, "resident", 3, bf16=True, max_steps=4)
+    _, got, losses = _run(tmp_path, "resident", 3, bf16=True, max_steps=4, emulated=emulated)
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(got))
 
 
-def _hand_step(model, engine, optimizer, seed, max_norm=0.05):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (2, 16), generator=g)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    engine.clip_grad_norm_(max_norm, optimizer=optimizer)
-    optimizer.step()
-    optimizer.zero_grad()
-    return loss.item()
+def _batch(seed):
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
+    return ids
 
 
-def _hand_run(resident, edit=None):
+def _hand_run(resident, edit=None, emulated=False, steps=4, accumulate=1, clip=None, zero=None):
+    """A hand loop: ``accumulate`` backward passes per step, ``clip(engine, optimizer)`` (default: deferred
+    clipping at 0.05), ``zero(model, optimizer)`` (default: the optimizer's set-to-none)."""
     model = tiny_model("llama")
-    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=resident))
+    streams = EmulatedStreams(latency_s=LATE) if emulated else None
+    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=resident), streams=streams)
     optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1))
-    losses = []
-    for seed in range(4):
-        if seed == 2 and edit is not None:
+    clip = clip or (lambda engine, optimizer: engine.clip_grad_norm_(0.05, optimizer=optimizer))
+    zero = zero or (lambda model, optimizer: optimizer.zero_grad())
+    losses, norms = [], []
+    for step in range(steps):
+        if step == 2 and edit is not None:
             edit(model, engine, optimizer)
-        losses.append(_hand_step(model, engine, optimizer, seed))
+        for micro in range(accumulate):
+            ids = _batch(step * accumulate + micro)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.item())
+        norms.append(float(clip(engine, optimizer)))
+        optimizer.step()
+        zero(model, optimizer)
     engine.synchronize()
-    return model, engine, optimizer, losses
+    return model, engine, optimizer, losses + norms
+
+
+def _same_optimizer_state(a, b):
+    for x, y in zip(a.state_dict()["state"].values(), b.state_dict()["state"].values()):
+        assert torch.equal(x["exp_avg"], y["exp_avg"]) and torch.equal(x["exp_avg_sq"], y["exp_avg_sq"])
+        assert torch.equal(x["step"], y["step"])
+
+
+def _zero_in_place(model, optimizer):
+    optimizer.zero_grad(set_to_none=False)
+
+
+def _model_zero(model, optimizer):
+    model.zero_grad()  # Trainer's call: the resident gradients are emptied by the model's zero_grad too
+
+
+def _not_deferred(engine, optimizer):
+    return engine.clip_grad_norm_(0.05, optimizer=optimizer, defer=False)
+
+
+def _l1(engine, optimizer):
+    return engine.clip_grad_norm_(0.5, norm_type=1.0, optimizer=optimizer)
+
+
+GRADIENT_PATHS = {
+    "accumulation-3": dict(accumulate=3),
+    "zero-in-place": dict(zero=_zero_in_place, accumulate=2),
+    "model-zero-grad": dict(zero=_model_zero, accumulate=2),
+    "clip-not-deferred": dict(clip=_not_deferred),
+    "clip-l1-norm": dict(clip=_l1),
+}
+
+
+@pytest.mark.parametrize("emulated", PATHS)
+@pytest.mark.parametrize("case", GRADIENT_PATHS)
+def test_the_device_gradient_path_equals_the_host_one(case, emulated):
+    """Accumulation over several backward passes, zero_grad in place and through the model, clipping
+    multiplied at once (L2 and L1): losses, norms, weights and optimizer state bitwise as streamed."""
+    ref, _, ref_opt, ref_out = _hand_run(0, **GRADIENT_PATHS[case])
+    got, engine, opt, out = _hand_run(2, emulated=emulated, **GRADIENT_PATHS[case])
+    assert engine.resident is not None and (engine.streams is not None) == emulated
+    assert out == ref_out
+    assert_same_state(state_of(ref), state_of(got))
+    _same_optimizer_state(ref_opt, opt)
 
 
 def test_loads_and_edits_between_steps_reach_the_device():
@@ -122,28 +187,79 @@ def test_loads_and_edits_between_steps_reach_the_device():
         optimizer.load_state_dict(state)
 
     ref, _, ref_opt, ref_losses = _hand_run(0, edit)
-    got, engine, opt, losses = _hand_run(2, edit)
-    assert engine.resident is not None
-    assert losses == ref_losses
-    assert_same_state(state_of(ref), state_of(got))
-    for a, b in zip(ref_opt.state_dict()["state"].values(), opt.state_dict()["state"].values()):
-        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+    for emulated in (False, True):
+        got, engine, opt, losses = _hand_run(2, edit, emulated=emulated)
+        assert engine.resident is not None
+        assert losses == ref_losses
+        assert_same_state(state_of(ref), state_of(got))
+        _same_optimizer_state(ref_opt, opt)
 
 
-def test_a_nonfinite_norm_skips_the_resident_update():
+@pytest.mark.parametrize("emulated", PATHS)
+def test_a_nonfinite_norm_skips_the_resident_update(emulated):
     model = tiny_model("llama")
-    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=2))
+    streams = EmulatedStreams(latency_s=LATE) if emulated else None
+    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=2), streams=streams)
     optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
     before = state_of(model)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    ids = _batch(0)
     model(input_ids=ids, labels=ids).loss.backward()
-    model.model.embed_tokens.weight.grad[0, 0] = float("nan")  # a resident unit's device gradient
+    embedding = engine.store.owned_trainable(0)[0]
+    assert embedding.tensor is model.model.embed_tokens.weight and embedding.tensor.grad is None
+    engine.resident.gradient(embedding)[0, 0] = float("nan")  # the resident unit's device gradient
     assert not math.isfinite(float(engine.clip_grad_norm_(1.0, optimizer=optimizer)))
     optimizer.step()
     optimizer.zero_grad()
     engine.synchronize()
     assert optimizer.skipped_steps == 1
     assert_same_state(before, state_of(model))
+    # the next step trains from the emptied accumulator (no NaN carried over)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert math.isfinite(float(engine.clip_grad_norm_(1.0, optimizer=optimizer)))
+    optimizer.step()
+    engine.synchronize()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_every_unit_resident_moves_nothing_over_the_link():
+    """Every unit resident, over the emulated streams: no upload, no gradient down, no readiness gate
+    closed; each fetch makes the compute stream wait for its unit's update (issued on the update stream)."""
+    model = tiny_model("llama")
+    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=ALL), streams=EmulatedStreams(latency_s=0.2))
+    optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    ids = _batch(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    resident, stats, gates = engine.resident, engine.stats, engine.store.gates
+    assert set(resident._updated) == set(resident.grad)  # each unit's update event, pending for 0.2 s
+    compute = engine.streams.current()
+    assert compute._done_at < max(event._done_at for event in resident._updated.values())
+    assert all(gates._ready[u].is_set() and gates.generation[u] == 0 for u in range(len(engine.units)))
+    optimizer.zero_grad()
+    with torch.no_grad():
+        model(input_ids=ids)  # its fetches wait (stream order) for the updates
+    assert compute._done_at >= max(event._done_at for event in resident._updated.values())
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert stats.uploads == 0 and stats.h2d_bytes == 0 and stats.d2h_bytes == 0
+    engine.synchronize()
+    assert not resident._updated
+    engine.detach()
+    assert all(torch.equal(p.grad, resident.gradient(e)) for u in resident.grad
+               for e in engine.store.owned_trainable(u) for p in [e.tensor])  # .grad again, as host copies
+
+
+def test_a_resident_parameter_with_hooks_or_a_grad_of_its_own_is_refused():
+    model = tiny_model("llama")
+    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=1))
+    ids = _batch(0)
+    handle = model.model.embed_tokens.weight.register_hook(lambda g: g)
+    with pytest.raises(UsageError, match="has tensor hooks"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    handle.remove()
+    model.model.embed_tokens.weight.grad = torch.zeros_like(model.model.embed_tokens.weight)
+    with pytest.raises(UsageError, match="has a .grad of its own"):
+        model(input_ids=ids, labels=ids).loss.backward()
+    engine.detach()
 
 
 def test_another_optimizer_on_resident_units_is_refused():

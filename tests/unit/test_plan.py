@@ -118,7 +118,7 @@ ROWS = [
      ("refused", IncompatibleOptionsError, r"needs its HostAdamW .* is kept as it is\. Fix: leave optimizers=\(\.\.\.\) "
                                            r"out")),
     ("resident units on CUDA", dict(resident_units=2), dict(device=CUDA, cuda=True), {},
-     ("refused", IncompatibleOptionsError, r"resident_units=2.*CUDA path of resident units is not built.*Fix")),
+     ("refused", IncompatibleOptionsError, r"resident_units=2.*CUDA path of resident units .*has not run on a GPU yet.*Fix")),
     ("resident units with SGD", dict(resident_units=2), {}, dict(optimizer=SGD),
      ("refused", IncompatibleOptionsError, r"resident_units=2.*the optimizer is SGD\. Fix: train with AdamW")),
     ("resident units with replace_adamw=False", dict(resident_units=1, replace_adamw=False), {}, {},
