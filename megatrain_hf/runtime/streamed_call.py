@@ -277,6 +277,8 @@ class UnitRunner:
                 # forward, not __call__: the real unit's __call__ already ran its own hooks
                 if recipe is not None:
                     self.stats.tiled_layer_calls += 1
+                    if recompute and grad_into is None and torch.is_grad_enabled():
+                        self._unowned_gradient(unit.name)
                     out = tiled_layer(recipe, module, x, call.kwargs, tile, grad_into)
                 elif call.compiled:
                     out = self.compiler.run(module, x, call.args, call.kwargs, call.input_key)
@@ -302,6 +304,15 @@ class UnitRunner:
         if mlp is None:
             return None
         return self.tile_policy(x.numel() // x.shape[-1], x.shape[-1], mlp_width(mlp))
+
+    def _unowned_gradient(self, name: str) -> None:
+        why = "incoming gradient not megatrain's alone"
+        if why not in self._declined:
+            self._declined.add(why)
+            logger.info("megatrain: %s's incoming gradient may be held by someone else (a tensor hook on a layer's "
+                        "output, retain_grad, a module backward hook; runtime/grad_ownership.py): the tiled layer "
+                        "keeps its recomputed output for its input's gradient, one tokens x hidden tensor more "
+                        "than the plan's working set (logged once)", name)
 
     def _recipe_for(self, name: str, module: nn.Module, call: Call):
         """The layer recipe that tiles ``module``'s call whole, or None (its MLP tiles alone; why: logged once)."""
