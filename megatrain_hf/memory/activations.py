@@ -151,10 +151,10 @@ def long_context_working_set(tokens: int, hidden: int, q_dim: int, kv_dim: int, 
     Measured (docs/long-context.md, CPU, ``scripts/longctx_memory.py``): each step removed one fp32
     ``tokens x h`` from the layer peak, 1,024 B per token on the CPU shape (hidden 256) at 4K-32K: the
     shared buffer (``tiling.ResidualGrad``) and then the incoming gradient taking the input's gradient
-    (7,321 B per token at 32K; with the input, 0.77-0.84 of this). On an H100 before both (the 7 B's
+    (7,321 B per token at 32K; with the input, 0.76-0.84 of this). On an H100 before both (the 7 B's
     layer, 32K to 64K) the growth was 144.9 KB per token against the then 4 B x 3 h of this function's
-    131.2 KB: the GPU held a fourth ``4 h``; two fewer now, 112.1 KB expected against this function's 114.8
-    (not measured on a GPU since; 2 % of margin per token). Not counted: when
+    131.2 KB: the GPU held a fourth ``4 h``; two fewer now, 112.1 KB expected against this function's 114.9
+    (not measured on a GPU since; 2.5 % of margin per token). Not counted: when
     the incoming gradient cannot be proven megatrain's (a tensor hook on a layer's output, a module
     backward hook; ``grad_ownership.py``) the layer keeps the output's storage for the input's
     gradient: one ``4 h`` more per token (logged once). The tiling work owns this function: when it

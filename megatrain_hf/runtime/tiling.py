@@ -17,8 +17,9 @@ inside exists for one tile only:
   the o projection, residual add, post-attention norm and MLP in a second ``TiledTokens``. Inside
   the layer the only full-length tensors left are its input and output, q, k, v, the attention
   output, their gradients and the attention kernel's workspace. Both pieces read the layer's input
-  (the residual stream): its gradient is one full-length buffer, the storage of the layer's output
-  (:class:`ResidualGrad`), which the second piece's backward fills and the first piece's adds to;
+  (the residual stream): its gradient is one full-length buffer, the gradient flowing into the layer
+  when the caller hands it over (the output's storage is then freed), else the storage of the layer's
+  output (:class:`ResidualGrad`), which the second piece's backward fills and the first piece's adds to;
 * the MLP alone (:func:`tiled`), for every other layer whose MLP is tileable.
 
 The weights are inputs of the Function (they are the recompute's leaves, so their gradients reach
