@@ -229,6 +229,8 @@ class Engine:
                       self.mark_dirty, self._check_state_readable if self.store.remote else None,
                       frozenset(id(e.tensor) for u in self.store.remote for e in self.store.owned_trainable(u)))
         self._install_chunked_loss(unwrap(model))
+        model_ref = weakref.ref(model)  # a backward hook anywhere in it: incoming gradients not written into
+        self.runner.ownership.roots = lambda: [m for m in (model_ref(),) if m is not None]
         if self.sharding is not None and any(map(self.store.n_train, range(len(self.units)))):
             # every forward broadcasts the units' masters: every model call is collective (core/sharding.py)
             base = unwrap(model)

@@ -11,9 +11,10 @@ Per token of a micro-batch, with ``h`` the hidden width, ``i`` the MLP's interme
 * sequence-tiled (``sequence_tile_tokens``), every per-token operation of the layer runs over
   tiles (``runtime/tiling.py``, families with a layer recipe): what stays full-length is q, k, v,
   the attention output (and its contiguous copy), their gradients, the flash kernel's fp32 ``dq``
-  accumulator, the fp32 gradient flowing in and the fp32 output, whose storage takes the input's
-  gradient (``c * (5q + 4kv) + 4q + 2 * 4h``; a third fp32 ``tokens x h`` before the input's gradient
-  moved into the output's storage, ``tiling.ResidualGrad``); one tile holds the rest (:func:`tile_bytes`);
+  accumulator and the fp32 gradient flowing in, which takes the input's gradient tile by tile
+  (``c * (5q + 4kv) + 4q + 4h``; the recomputed output's storage is freed after the recompute,
+  ``runtime/grad_ownership.py``; before 2026-12-07 ``+ 2 * 4h``: the output's storage held the input's
+  gradient, and before that each tiled piece had its own buffer); one tile holds the rest (:func:`tile_bytes`);
 * activation checkpoints: one fp32 ``tokens x h`` per unit that keeps one (every decoder layer,
   the final norm's and the head's inputs), or with ``checkpoint_interval=k`` every k-th layer's
   plus the inputs of the k-1 layers of the block being back-propagated (recomputed and held).
@@ -107,7 +108,7 @@ def layer_working_set(tokens: int, hidden: int, q_dim: int, kv_dim: int, interme
     if tile is None or tile >= tokens:
         attention = tokens * (c * (2 * hidden + 2 * q_dim + 2 * kv_dim) + 4 * 6 * hidden)
         return attention + mlp_tile_bytes(tokens, intermediate, c)
-    full = tokens * (c * (5 * q_dim + 4 * kv_dim) + 4 * q_dim + 2 * 4 * hidden)
+    full = tokens * (c * (5 * q_dim + 4 * kv_dim) + 4 * q_dim + 4 * hidden)
     return full + tile_bytes(tile, hidden, q_dim, kv_dim, intermediate, c)
 
 
@@ -135,26 +136,30 @@ def long_context_working_set(tokens: int, hidden: int, q_dim: int, kv_dim: int, 
     tiled (issue 34 item 1: norms, q/k/v with rotary, o with the residual add, the MLP), the one
     activation model of the joint long-context plan (``memory/long_context.py``).
 
-    Full-length tensors left, per token, at the peak (the attention kernel's backward): three fp32
-    ``tokens x h`` (``4 h`` each): the layer's input as loaded from its checkpoint, the gradient flowing
-    in, and the layer's recomputed output, whose storage takes the gradient flowing out
-    (``tiling.ResidualGrad``: the two ``TiledTokens`` pieces share it); q, k, v and the attention output
-    in the compute dtype (``c (2 q + 2 kv)``); their gradients (``c (2 q + 2 kv)``); the attention
+    Full-length tensors left, per token, at the peak (the attention kernel's backward): two fp32
+    ``tokens x h`` (``4 h`` each): the layer's input as loaded from its checkpoint and the gradient
+    flowing in, which takes the gradient flowing out tile by tile (``runtime/grad_ownership.py``: the
+    runtime owns it alone; the layer's recomputed output, of which the backward needs only the
+    ``grad_fn``, has its storage freed right after the recompute); q, k, v and the attention output in
+    the compute dtype (``c (2 q + 2 kv)``); their gradients (``c (2 q + 2 kv)``); the attention
     kernel's fp32 dq accumulator (``4 q``, FlashAttention's backward) and its fp32 log-sum-exp per head
     (``4 heads``; ``heads`` None: ``q_dim / 64``). Plus one tile of ``tile`` tokens of everything
     per-token: the MLP's intermediates (:func:`mlp_tile_bytes`) and the residual stream's fp32 tensors
-    (``4 x 6 h``). 7 B (MHA) at 512K: 65 GiB; Llama-3-8B (GQA, 8 KV heads): 53 GiB.
+    (``4 x 6 h``). 7 B (MHA) at 512K: 57 GiB; Llama-3-8B (GQA, 8 KV heads): 45 GiB. The recompute's
+    own end (the output still alive, no gradients of q/k/v yet) is below this whenever ``q >= h``.
 
-    Measured (docs/long-context.md): before the shared buffer the runtime held a fourth fp32
-    ``tokens x h`` (each piece's own input-gradient buffer beside the recomputed output), 1,024 B per
-    token on the CPU shape (hidden 256) and about 16 KB per token (``4 h``) of a 7 B layer on an H100:
-    its per-token growth there, 32K to 64K tokens, was 144.9 KB against this function's 131.2 KB. With
-    the shared buffer the CPU layer peak is one ``4 h`` lower at every length, 0.78-0.86 of this at
-    4K-32K (the CPU has no fp32 dq accumulator: ``4 q`` of slack). Not lower: the input, the incoming
-    gradient and the output (only its ``grad_fn`` is needed) are all alive while the attention kernel's
-    backward runs on the GPU. The tiling work owns this function: when it measures its working set,
-    this is the number to change."""
+    Measured (docs/long-context.md, CPU, ``scripts/longctx_memory.py``): each step removed one fp32
+    ``tokens x h`` from the layer peak, 1,024 B per token on the CPU shape (hidden 256) at 4K-32K: the
+    shared buffer (``tiling.ResidualGrad``) and then the incoming gradient taking the input's gradient
+    (7,321 B per token at 32K; with the input, 0.76-0.84 of this). On an H100 before both (the 7 B's
+    layer, 32K to 64K) the growth was 144.9 KB per token against the then 4 B x 3 h of this function's
+    131.2 KB: the GPU held a fourth ``4 h``; two fewer now, 112.1 KB expected against this function's 114.9
+    (not measured on a GPU since; 2.5 % of margin per token). Not counted: when
+    the incoming gradient cannot be proven megatrain's (a tensor hook on a layer's output, a module
+    backward hook; ``grad_ownership.py``) the layer keeps the output's storage for the input's
+    gradient: one ``4 h`` more per token (logged once). The tiling work owns this function: when it
+    measures its working set, this is the number to change."""
     heads = q_dim // 64 if heads is None else heads
-    full = tokens * (4 * 3 * hidden + 2 * compute_bytes * (2 * q_dim + 2 * kv_dim) + 4 * q_dim + 4 * heads)
+    full = tokens * (4 * 2 * hidden + 2 * compute_bytes * (2 * q_dim + 2 * kv_dim) + 4 * q_dim + 4 * heads)
     tile = min(tile, tokens)
     return full + mlp_tile_bytes(tile, intermediate, compute_bytes) + tile * 4 * 6 * hidden

@@ -46,6 +46,7 @@ from ..core.streamer import Streamer
 from ..core.template import HookRecord, Mirror, Template
 from .autocast import autocast_state
 from .activation_inputs import ActivationInputs, DeviceHome, HostHome
+from .grad_ownership import GradOwnership, watch_output
 from .grads_in_place import embedding_weights, embeddings_into, landing_regions
 from .tiling import mlp_width, tileable_mlp, tiled, tiled_layer
 
@@ -125,7 +126,11 @@ class StreamedUnit(torch.autograd.Function):
             if grad_out is None:  # the output reached no loss: zero gradients, as autograd materializes
                 shape, dtype, device = ctx.out_like
                 grad_out = torch.zeros(shape, dtype=dtype, device=device)
-            grad_x = runner.recompute_backward(ctx.call, x, grad_out, grad_seen)
+                owned = True
+            else:  # megatrain's alone? Then a tiled layer writes its input's gradient into it
+                owned = runner.ownership.owns(ctx, grad_out)
+            grad_x = runner.recompute_backward(ctx.call, x, grad_out, grad_seen, owned)
+            runner.ownership.hand(grad_x, grad_out, owned, grad_seen)
         except BaseException:
             runner.backward_failed()
             raise
@@ -164,6 +169,8 @@ class UnitRunner:
         self._declined: set[str] = set()  # reasons a layer ran without its recipe, logged once each
         self.on_sequence: Callable[[int], None] | None = None  # a training sequence's length (the engine's checks)
         self.compiler = None  # RegionCompiler (runtime/compiled.py) with compile=True; set by the engine
+        # the incoming gradients megatrain owns alone (runtime/grad_ownership.py); the engine adds the model's roots
+        self.ownership = GradOwnership(units)
 
     @property
     def offload(self):
@@ -226,6 +233,7 @@ class UnitRunner:
         anchor = group.anchor_for_call(self.anchor) if group is not None else self.anchor
         position = self.inputs.position(call, x)
         out, token, *_ = StreamedUnit.apply(self, call, anchor, x)  # the seen outputs: kept by their hooks
+        watch_output(out)  # before anyone else sees it: tensor hooks registered on it are seen in the backward
         self.inputs.produced(out, position)
         if self.offload is None and position == 0:
             self.budget.note_call(x.numel() * x.element_size(), 0)  # the checkpoint this call keeps
@@ -245,7 +253,10 @@ class UnitRunner:
         return stack
 
     def compute(self, call: Call, x: torch.Tensor, tensors: dict[str, torch.Tensor], hooks: bool = True,
-                recompute: bool = False) -> torch.Tensor:
+                recompute: bool = False, grad_into: torch.Tensor | None = None) -> torch.Tensor:
+        """The unit's output on ``x`` with ``tensors`` as its weights. ``grad_into``: in a recompute, the
+        gradient the output will receive when megatrain owns it alone (``runtime/grad_ownership.py``): a
+        tiled layer writes its input's gradient into it and frees its output's storage."""
         unit = self.units[call.unit]
         if call.kernel is not None:
             with self._autocast(None):
@@ -266,7 +277,9 @@ class UnitRunner:
                 # forward, not __call__: the real unit's __call__ already ran its own hooks
                 if recipe is not None:
                     self.stats.tiled_layer_calls += 1
-                    out = tiled_layer(recipe, module, x, call.kwargs, tile)
+                    if recompute and grad_into is None and torch.is_grad_enabled():
+                        self._unowned_gradient(unit.name)
+                    out = tiled_layer(recipe, module, x, call.kwargs, tile, grad_into)
                 elif call.compiled:
                     out = self.compiler.run(module, x, call.args, call.kwargs, call.input_key)
                 elif call.input_key is None:
@@ -292,6 +305,15 @@ class UnitRunner:
             return None
         return self.tile_policy(x.numel() // x.shape[-1], x.shape[-1], mlp_width(mlp))
 
+    def _unowned_gradient(self, name: str) -> None:
+        why = "incoming gradient not megatrain's alone"
+        if why not in self._declined:
+            self._declined.add(why)
+            logger.info("megatrain: %s's incoming gradient may be held by someone else (a tensor hook on a layer's "
+                        "output, retain_grad, a module backward hook; runtime/grad_ownership.py): the tiled layer "
+                        "keeps its recomputed output for its input's gradient, one tokens x hidden tensor more "
+                        "than the plan's working set (logged once)", name)
+
     def _recipe_for(self, name: str, module: nn.Module, call: Call):
         """The layer recipe that tiles ``module``'s call whole, or None (its MLP tiles alone; why: logged once)."""
         recipe = self.layer_recipe
@@ -304,7 +326,10 @@ class UnitRunner:
         return recipe if why is None else None
 
     def recompute_backward(self, call: Call, x: torch.Tensor, grad_out: torch.Tensor,
-                           grad_seen: tuple = ()) -> torch.Tensor | None:
+                           grad_seen: tuple = (), owned: bool = False) -> torch.Tensor | None:
+        """The unit's backward: recompute with grad, ``autograd.grad`` from its output (and seen outputs);
+        the weights' gradients to the sink, the input's returned. ``owned``: ``grad_out`` is megatrain's
+        alone, a tiled layer may write into it (otherwise nobody writes into it: a hook may hold it)."""
         unit = self.units[call.unit]
         with self.inputs.replayed_rng(call):
             tensors = self.streamer.fetch(call.unit)
@@ -328,7 +353,7 @@ class UnitRunner:
                 x_in = x.detach().requires_grad_(x_grad)
                 into = {name: r for name, r in into.items() if name in unit.embeddings}
                 with torch.enable_grad(), self._autocast(call.autocast), embeddings_into(tensors, into):
-                    out = self.compute(call, x_in, tensors, recompute=True)
+                    out = self.compute(call, x_in, tensors, recompute=True, grad_into=grad_out if owned else None)
                 outputs, seeds = [out], [grad_out]
                 if call.seen_at:
                     outputs, seeds = _with_seen(unit.name, call, outputs, seeds, grad_seen)
@@ -366,12 +391,14 @@ class UnitRunner:
         if self._end_queued is not None:  # a previous pass never reached its end
             self.backward_failed()
         self._end_queued = task
+        self.ownership.clear()
         torch.autograd.Variable._execution_engine.queue_callback(self.backward_done)
 
     def backward_failed(self) -> None:
         """autograd drops queued callbacks when a backward fails: undo what the pass had started."""
         self._end_queued = None
         self.inputs.clear()
+        self.ownership.clear()
         self.streamer.drop_prefetched()
         self.grads.drop_held()
         try:
@@ -382,6 +409,7 @@ class UnitRunner:
     def backward_done(self) -> None:
         self._end_queued = None
         self.inputs.clear()  # no forward continues a chain across a backward
+        self.ownership.clear()
         self.streamer.drop_prefetched()
         started = time.perf_counter()
         self.grads.wait()  # when backward() returns, every param.grad is complete

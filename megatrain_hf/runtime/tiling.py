@@ -17,8 +17,9 @@ inside exists for one tile only:
   the o projection, residual add, post-attention norm and MLP in a second ``TiledTokens``. Inside
   the layer the only full-length tensors left are its input and output, q, k, v, the attention
   output, their gradients and the attention kernel's workspace. Both pieces read the layer's input
-  (the residual stream): its gradient is one full-length buffer, the storage of the layer's output
-  (:class:`ResidualGrad`), which the second piece's backward fills and the first piece's adds to;
+  (the residual stream): its gradient is one full-length buffer, the gradient flowing into the layer
+  when the caller hands it over (the output's storage is then freed), else the storage of the layer's
+  output (:class:`ResidualGrad`), which the second piece's backward fills and the first piece's adds to;
 * the MLP alone (:func:`tiled`), for every other layer whose MLP is tileable.
 
 The weights are inputs of the Function (they are the recompute's leaves, so their gradients reach
@@ -120,6 +121,13 @@ class ResidualGrad:
     and returns the sum, ``dL/dx = post + pre`` as autograd's own accumulation would add them. Without
     the output (a different dtype or shape, or no longer alive) ``give`` writes into a new buffer.
 
+    With ``into`` (the gradient of the layer's output, handed over by a caller that owns it alone:
+    ``runtime/grad_ownership.py``) ``give`` writes into ``into`` instead, each tile once the tile has read
+    its part of it (the second piece is per token: tile ``[s, e)`` of the output's gradient is read by
+    that tile only), and :func:`tiled_layer` frees the output's storage right after building the graph
+    (the backward needs only its ``grad_fn`` and shape): one full-length tensor fewer. Should the
+    backward receive another tensor than ``into`` for the output, ``give`` writes into a new buffer.
+
     The output's storage is overwritten: the caller must not read the layer's output once its
     backward has run. The engine builds a tiled layer's graph only in a unit's recompute
     (``runtime/streamed_call.py``), whose output is dropped after ``torch.autograd.grad``; an autograd
@@ -128,10 +136,11 @@ class ResidualGrad:
     (and gets a new buffer: the output's storage is used once, it holds the first backward's result).
     """
 
-    __slots__ = ("buffer",)
+    __slots__ = ("buffer", "into")
 
-    def __init__(self) -> None:
+    def __init__(self, into: torch.Tensor | None = None) -> None:
         self.buffer: torch.Tensor | None = None
+        self.into = into  # the output's gradient, the caller's to give (see above); used once
 
     def take(self) -> torch.Tensor | None:
         buffer, self.buffer = self.buffer, None
@@ -153,7 +162,9 @@ class TiledTokens(torch.autograd.Function):
         # residual: None, ("give", ResidualGrad) (input 0's gradient into output 0's storage, handed over)
         # or ("take", ResidualGrad) (input 0's gradient added to the buffer handed over)
         ctx.residual, ctx.out_used = residual, False
-        ctx.out0 = weakref.ref(outs[0]) if residual is not None and residual[0] == "give" else None
+        # "give" lends output 0's storage, unless the output's gradient is handed over (then it is freed)
+        lends = residual is not None and residual[0] == "give" and residual[1].into is None
+        ctx.out0 = weakref.ref(outs[0]) if lends else None
         return outs
 
     @staticmethod
@@ -163,7 +174,7 @@ class TiledTokens(torch.autograd.Function):
         need_in = list(ctx.needs_input_grad[6 : 6 + ctx.n_in])
         need_p = list(ctx.needs_input_grad[6 + ctx.n_in :])
         grad_in = [torch.zeros_like(x) if n else None for x, n in zip(inputs[1:], need_in[1:])]
-        grad_in.insert(0, _residual_buffer(ctx, inputs[0]) if need_in[0] else None)
+        grad_in.insert(0, _residual_buffer(ctx, inputs[0], grad_outs[0]) if need_in[0] else None)
         sums: list[torch.Tensor | None] = [None] * len(params)
         adds = ctx.residual is not None and ctx.residual[0] == "take"
         device_type, (enabled, dtype, cache) = inputs[0].device.type, ctx.autocast
@@ -201,21 +212,31 @@ class TiledTokens(torch.autograd.Function):
         return (None, None, None, None, None, None, *grad_in, *pgrads)
 
 
-def _residual_buffer(ctx, x: torch.Tensor) -> torch.Tensor:
-    """The full-length buffer for input 0's gradient (:class:`ResidualGrad`)."""
+def _residual_buffer(ctx, x: torch.Tensor, grad_out: torch.Tensor | None) -> torch.Tensor:
+    """The full-length buffer for input 0's gradient (:class:`ResidualGrad`); ``grad_out``: the gradient
+    of output 0 this backward received."""
     if ctx.residual is not None and ctx.residual[0] == "take":
         handed = ctx.residual[1].take()
         return handed if handed is not None else torch.zeros_like(x)
     if ctx.residual is None:
         return torch.zeros_like(x)
+    into, ctx.residual[1].into = ctx.residual[1].into, None
+    if into is not None:  # "give" with the output's gradient handed over: into it, when it is what came in
+        # (each tile writes its positions after reading them; the output's storage is freed)
+        return into if grad_out is into and _fits(into, x) else torch.empty_like(x)
     # "give": the output's storage, once (a retained graph's next backward must not overwrite the
     # gradient this one returned)
     out = None if ctx.out_used else ctx.out0()
     ctx.out_used = True
-    if (out is not None and out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
-            and out.is_contiguous()):
+    if out is not None and _fits(out, x):
         return out.detach()  # an alias without the graph: the gradient must not carry the output's grad_fn
     return torch.empty_like(x)  # every tile writes its positions
+
+
+def _fits(buffer: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``buffer`` can hold ``x``'s gradient: its shape, dtype and device, contiguous."""
+    return (buffer.shape == x.shape and buffer.dtype == x.dtype and buffer.device == x.device
+            and buffer.is_contiguous())
 
 
 def tiled_call(fn: Callable, modules: list[nn.Module], rows: int, *inputs: torch.Tensor,
@@ -263,16 +284,23 @@ def tiled(layer: nn.Module, tile: int | None):
         mlp.__dict__.pop("forward", None)
 
 
-def tiled_layer(recipe, layer: nn.Module, x: torch.Tensor, kwargs: dict, tile: int) -> torch.Tensor:
+def tiled_layer(recipe, layer: nn.Module, x: torch.Tensor, kwargs: dict, tile: int,
+                grad_into: torch.Tensor | None = None) -> torch.Tensor:
     """A decoder layer's forward with every per-token operation tiled (module docstring), by ``recipe``
     (``models/layer_recipes.py``: ``pre``/``pre_modules``, ``attend``, ``post``/``post_modules``). Built
     with a graph (the engine's recompute), the output's storage takes the input's gradient during the
-    backward (:class:`ResidualGrad`): the caller does not read the output after it."""
+    backward (:class:`ResidualGrad`): the caller does not read the output after it. ``grad_into``: the
+    gradient the output will receive, the caller's alone to give (``runtime/grad_ownership.py``): the
+    input's gradient goes into it instead, and the output's storage is freed before returning (its
+    values are gone: only its ``grad_fn`` and shape remain, for ``autograd.grad``)."""
     cos, sin = kwargs["position_embeddings"]
     widest = max(x.shape[-1], recipe.widest(layer))
     rows = tile_rows(tile, x.shape[0], widest)
-    shared = ResidualGrad()
+    given = grad_into is not None and torch.is_grad_enabled() and _fits(grad_into, x)
+    shared = ResidualGrad(grad_into if given else None)
     q, k, v = tiled_call(recipe.pre(layer), recipe.pre_modules(layer), rows, x, cos, sin, residual=("take", shared))
     attn = recipe.attend(layer, q, k, v, kwargs)
     (out,) = tiled_call(recipe.post(layer), recipe.post_modules(layer), rows, x, attn, residual=("give", shared))
+    if given and out.grad_fn is not None:
+        out.untyped_storage().resize_(0)  # saved by no node (TiledTokens saves its inputs): dead
     return out

@@ -297,9 +297,9 @@ def test_plan_arithmetic_at_512k_tokens():
     untiled = plan_memory(shape, seq_len=seq, micro_batch=1, sequence_tile_tokens=None)
     h, q, kv, c = shape.hidden, shape.q_dim, shape.kv_dim, 2
     assert untiled.gpu_layer_working_set == seq * (c * (2 * h + 2 * q + 2 * kv) + 24 * h + 6 * c * shape.intermediate)
-    # tiled whole: q, k, v, attention output (+ copy), their grads, fp32 dq, fp32 grad out and out (whose storage
-    # takes grad in); one tile
-    full = seq * (c * (5 * q + 4 * kv) + 4 * q + 8 * h)
+    # tiled whole: q, k, v, attention output (+ copy), their grads, fp32 dq, fp32 grad out (which takes grad in;
+    # the recomputed output is freed); one tile
+    full = seq * (c * (5 * q + 4 * kv) + 4 * q + 4 * h)
     tile = 4096 * (6 * c * shape.intermediate + c * (2 * h + 3 * q + 3 * kv) + 24 * h)
     assert plan.gpu_layer_working_set == full + tile
     assert plan.gpu_layer_working_set < untiled.gpu_layer_working_set / 2

@@ -87,6 +87,19 @@ def test_an_inexact_option_the_user_set_is_planned_with():
     assert plan.config.optimizer_state == "fp32" and plan.config.grad_dtype == "fp32"
 
 
+def test_the_7b_at_512k_on_the_80gb_machine_without_disk_with_the_joint_plans_options():
+    """What ``megatrain estimate --seq-len 524288 --model llama-7b --gpu-gib 79 --host-gib 125`` prints, set
+    as options: the engine's placement takes it without a disk tier (GPU 78.47 of 79 GiB: thin)."""
+    plan = _plan("llama-7b", 79, max_seq_len=512 * K, compute_dtype="bf16", checkpoint_dtype="bf16",
+                 optimizer_state="8bit", grad_dtype="bf16")
+    act, joint = plan.activations, plan.long_context
+    assert (act.offload_checkpoints, act.checkpoint_interval, plan.host.staging) == (True, 2, False)
+    assert joint.fits(79 * G, 125 * G, None) and not joint.disk
+    assert 78 * G < sum(joint.gpu.values()) <= 79 * G - G // 2
+    assert "524288 tokens: checkpoints: 1 on the GPU (the head's) + 17 in pinned host RAM" in dict(
+        plan.adjustments)["max_seq_len placement"]
+
+
 def test_the_disk_tier_takes_what_the_ram_cannot_when_offload_dir_is_given(tmp_path):
     # 480K on the H200 machine: five checkpoints spill to the disk tier (the shortest step of those that fit)
     plan = _plan("llama-7b", 139, 60 * G, max_seq_len=480 * K, compute_dtype="bf16", offload_dir=str(tmp_path))
