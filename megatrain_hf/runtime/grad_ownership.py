@@ -23,7 +23,7 @@ proven to be megatrain's alone (:meth:`GradOwnership.owns`); anything unproven k
 * no module hook could see it: no backward hook of any origin on any module of the model (units,
   their sub-modules and containers; torch's global ones) -- a full backward hook gets the gradient
   itself -- and no forward hook but megatrain's and transformers' output capture on the units (a
-  forward hook may register tensor hooks on what it sees; ``models/checks.hooked_modules``). Read once
+  forward hook may register tensor hooks on what it sees; ``core/hooks.hooked_modules``). Read once
   per backward pass;
 * no other tensor shares its storage (a stored ``detach()`` or view, a weight's gradient still
   being copied out), and it is contiguous and no view itself.
@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from ..models.checks import hooked_modules
+from ..core.hooks import hooked_modules
 
 _BACKWARD_HOOKS = ("_backward_hooks", "_backward_pre_hooks")
 

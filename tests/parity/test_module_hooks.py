@@ -21,7 +21,7 @@ from tests.helpers import (
     without_dropout,
 )
 from megatrain_hf import MegaTrainConfig, MegaTrainPlugin, attach
-from megatrain_hf.models.checks import hooked_modules
+from megatrain_hf.core.hooks import hooked_modules
 
 
 def _noise(module, args, output):

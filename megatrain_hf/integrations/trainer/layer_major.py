@@ -26,7 +26,8 @@ from transformers import Trainer
 
 from ...errors import IncompatibleOptionsError
 from ...core.patcher import Patcher
-from ...models.checks import dropout_modules, hooked_modules
+from ...core.hooks import hooked_modules
+from ...models.checks import dropout_modules
 from ...runtime.layer_major import current
 
 logger = logging.getLogger(__name__)
