@@ -49,9 +49,12 @@ def test_mmap_large_gives_freed_blocks_back_at_once():
     for _ in range(32):
         blocks.append(torch.ones(2**20))  # 4 MiB
         kept.append(torch.ones(2**14))  # 64 KiB from the heap between them, kept
-    assert _rss_kib() - before > 128 * 1024
+    grown = _rss_kib()
+    # the blocks are resident (memory an earlier test's threads free meanwhile can hide a few MiB of the 130)
+    assert grown - before > 96 * 1024
     del blocks
-    assert _rss_kib() - before < 16 * 1024  # the 4 MiB blocks went back; the kept 2 MiB stay
+    # the 4 MiB blocks (128 MiB) went back at once, measured by the drop itself; the kept 2 MiB stay
+    assert grown - _rss_kib() > 120 * 1024
 
 
 def test_the_cpu_path_trims_after_enough_bytes_only(monkeypatch):
