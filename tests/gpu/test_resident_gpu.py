@@ -28,7 +28,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from tests.gpu.test_cuda_parity import BF16_LOSS_ATOL, BF16_UPDATE_RTOL, _report, assert_close_updates  # noqa: E402
+from tests.gpu.test_cuda_parity import (BF16_LOSS_ATOL, BF16_UPDATE_RTOL, _no_tf32, _report,  # noqa: E402, F401
+                                        assert_close_updates)  # (_no_tf32: its autouse fixture, here too)
 
 FP32_RESIDENT_ATOL = 1e-6
 """fp32: losses and parameters of the resident run within this of the streamed run's."""
@@ -38,13 +39,6 @@ REFUSED_ON_CUDA = pytest.mark.xfail(
     raises=IncompatibleOptionsError, strict=True,
     reason="plan.py refuses resident_units on CUDA until this file passed on a GPU; lift the rule, drop the marker")
 
-
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def _data():
