@@ -94,12 +94,13 @@ class Streamer:
             self.store.gates.wait_ready(owner)  # no background update is writing these masters
         self.stats.optimizer_wait_s += time.perf_counter() - started
         self.store.ownership.before_read(owners, self.uploads)  # (data parallelism: the owners' masters)
+        copied = []
         with self.uploads.batch() as batch:
             for owner, key in self._sources[u]:
                 if owner not in resident:
                     host, base = self.store.source(owner, key)
-                    flats[(owner, key)] = (batch.copy(host, key[1]), base)
-        copied = [flats[(owner, key)][0] for owner, key in self._sources[u] if owner not in resident]
+                    copied.append(batch.copy(host, key[1]))
+                    flats[(owner, key)] = (copied[-1], base)
         return _Upload(flats, batch.ready, self._generation(u), copied)
 
     def prefetch(self, u: int) -> None:
