@@ -34,8 +34,7 @@ from .core.grads import GradSink
 from .core.ownership import LocalOwnership, ShardedOwnership
 from .core.layout import Kind
 from .core.activation_offload import CheckpointOffload
-from .core.checkpoint_disk import DiskCheckpoints
-from .runtime.activation_inputs import DeviceHome, DiskHome, HostHome
+from .runtime.activation_inputs import CheckpointHomes
 from .core.patcher import Patcher
 from .core.resident import ResidentState
 from .core.sharding import UnitSharding
@@ -146,7 +145,7 @@ class Engine:
 
             self.grad_keeper = KeepingGradSink(self.grads)
         self.budget = GpuBudget(device, plan.activations.gpu_budget, plan.activations.offload_checkpoints,
-                                offload=lambda: self.runner.offload, start_offload=self._start_offload,
+                                offload=lambda: self.runner.offload, start_offload=lambda: self.checkpoint_homes.start_offload(),
                                 available_host=self._available_host, on_undo=self.patcher.on_undo)
         templates = TemplateCache()
         units = []
@@ -160,19 +159,17 @@ class Engine:
                                  INPUT_KWARGS, prepare_graph_call)
         self.runner.tile_policy = activations.tile_policy(plan.activations.tile_tokens, plan.activations.compute_bytes,
                                                           self.budget.budget)
+        self.layer_major = layer_major.Driver(self.runner, self.grads, device)
         self.runner.layer_recipe = self.family.layer_recipe  # whole decoder layers tiled (models/layer_recipes.py)
         self._longest_sequence = 0
         self.runner.on_sequence = self._check_sequence
         self.runner.checkpoint_interval = plan.activations.checkpoint_interval
         if plan.compile is not None:
             self.runner.compiler = RegionCompiler.for_units(plan.compile.backend, plan.compile.mode, units)
-        self._checkpoint_disk = None  # the disk tier's checkpoint file (core/checkpoint_disk.py), made on first use
-        self.runner.inputs.home = DeviceHome(plan.activations.checkpoint_dtype)
         self.runner.inputs.device_units = frozenset({len(units) - 1})  # the head's input: never offloaded
-        if plan.activations.offload_checkpoints is True:
-            self._start_offload()
-        elif plan.activations.offload_checkpoints == "disk":
-            self.runner.inputs.home = DiskHome(self._disk_checkpoints())
+        self.checkpoint_homes = CheckpointHomes(self.runner.inputs, plan.activations, self.store, self.stats,
+                                                self.streams, self._available_host, DEFAULT_HEADROOM_BYTES,
+                                                plan.host.pin)
         self._set_flops_model(model, located)
         self._gathering = False  # gather_state_dict reads state_dict() (data parallelism)
         self.chunked_loss_active = plan.loss.chunked  # the integration may turn it on ("auto")
@@ -338,8 +335,7 @@ class Engine:
         if self.streams is not None:
             self.streams.synchronize()  # no copy still reads the flats we unpin
         self.grads.close()
-        if self._checkpoint_disk is not None:
-            self._checkpoint_disk.close()
+        self.checkpoint_homes.close()
         if self.store.tier_files is not None:
             self.store.tier_files.close()  # the parameters keep their mapping of the masters
         self.store.release()
@@ -429,7 +425,7 @@ class Engine:
 
     def call_unit(self, u: int, args: tuple, kwargs: dict, kernel: Any = None) -> torch.Tensor:
         """A streamed call of unit ``u`` (``kernel``: computes it instead of its template)."""
-        coroutine = layer_major.current(self)
+        coroutine = self.layer_major.coroutine()
         if coroutine is not None:  # a micro-batch of a layer-major group: the driver runs the call
             return coroutine.call(u, args, kwargs, kernel)
         return self.runner.call(u, args, kwargs, kernel)
@@ -444,21 +440,6 @@ class Engine:
         (the OS reports less than it grants, e.g. a VM whose RAM grows on use)."""
         return host_memory.available_host_bytes() if self.plan.host.check_ram else 1 << 62
 
-    def _start_offload(self) -> None:
-        act = self.plan.activations
-        pool = CheckpointOffload(self.store.allocate, self.store.free, self._available_host,
-                                 DEFAULT_HEADROOM_BYTES, self.stats, self.streams, act.checkpoint_dtype)
-        self.runner.inputs.home = HostHome(pool, self._disk_checkpoints if act.disk_dir is not None else None)
-
-    def _disk_checkpoints(self) -> DiskCheckpoints:
-        """The disk tier's checkpoint file (made on first use: a spill, or ``offload_checkpoints="disk"``)."""
-        if self._checkpoint_disk is None:
-            act = self.plan.activations
-            pin = (lambda n: self.store.allocate(n, torch.uint8)) if self.plan.host.pin else None
-            self._checkpoint_disk = DiskCheckpoints(act.disk_dir, self.stats, self.streams, pin, act.checkpoint_dtype)
-            logger.info("megatrain: activation checkpoints on the disk tier in %s", self._checkpoint_disk.run_dir)
-        return self._checkpoint_disk
-
     @property
     def offload(self) -> CheckpointOffload | None:
         return self.runner.offload
@@ -470,25 +451,7 @@ class Engine:
         Each callable runs one micro-batch's forward and calls :meth:`backward` on its loss, like a
         training step; the backward of all of them runs once all forwards are done.
         """
-        runner = self.runner
-        if runner.group is not None:
-            raise UsageError("megatrain: run_layer_major() cannot be nested")
-        if len(fns) == 1:
-            return [fns[0]()]
-        hooked = self.grads.hooked_parameters()
-        if hooked:
-            raise IncompatibleOptionsError(
-                f"megatrain: layer-major accumulation sums the micro-batches' gradients before they reach the "
-                f"parameters, but {hooked[:3]} have tensor hooks, which run once per backward. Fix: "
-                "MegaTrainConfig(layer_major=False) (or 'auto'), or one backward per micro-batch in your loop."
-            )
-        runner.group = layer_major.Group()
-        self.grads.begin_group()
-        try:
-            return layer_major.run(self, self.device, fns, self._execute_group_call, self._group_backward)
-        finally:
-            runner.group = None
-            self.grads.end_group()
+        return self.layer_major.run(fns)
 
     def accumulate(self, loss_fns: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
         """Forward + backward of several micro-batches of one optimizer step, layer-major.
@@ -500,38 +463,11 @@ class Engine:
 
             losses = engine.accumulate([lambda b=b: model(**b).loss / len(batches) for b in batches])
         """
-        return self.run_layer_major([functools.partial(self._loss_step, fn) for fn in loss_fns])
-
-    def _loss_step(self, loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        loss = loss_fn()
-        self.backward(loss)
-        return loss.detach()
+        return self.layer_major.run([functools.partial(self.layer_major.loss_step, fn) for fn in loss_fns])
 
     def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
         """``loss.backward()``; inside a layer-major group, deferred to the group's one backward."""
-        coroutine = layer_major.current(self)
-        if coroutine is None:
-            loss.backward(retain_graph=retain_graph)
-        else:
-            coroutine.pause("backward", (loss, {"retain_graph": retain_graph}))
-
-    def _execute_group_call(self, coroutine, u: int, args: tuple, kwargs: dict, kernel: Any) -> Any:
-        group = self.runner.group
-        group.current = coroutine
-        try:
-            return self.runner.call(u, args, kwargs, kernel)
-        finally:
-            group.current = None
-
-    def _group_backward(self, items: list[tuple[torch.Tensor, dict]]) -> None:
-        group = self.runner.group
-        group.backward_open = True
-        try:
-            retain = any(kwargs.get("retain_graph") for _, kwargs in items)
-            torch.autograd.backward([loss for loss, _ in items], retain_graph=retain)
-        finally:
-            group.backward_open = False
-            group.reset_rounds()
+        self.layer_major.backward(loss, retain_graph)
 
 
 def _unit_forward(engine_ref: weakref.ref, u: int, *args, **kwargs) -> torch.Tensor:

@@ -19,12 +19,16 @@ for a call's forward again (``runner.forward_again``) and for the micro-batch in
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 
 import torch
 
 from ..core.activation_offload import Checkpoint, CheckpointOffload, stored_form
+from ..core.checkpoint_disk import DiskCheckpoints
 from ..errors import HostMemoryError
+
+logger = logging.getLogger(__name__)
 
 
 class DeviceHome:
@@ -99,6 +103,49 @@ class DiskHome(DeviceHome):
 
     def load(self, ctx) -> torch.Tensor:
         return super().load(ctx) if ctx.ckpt is None else self._load_chained(ctx)
+
+
+class CheckpointHomes:
+    """The engine's checkpoint homes, as the plan's ``ActivationPlan`` places them: the device
+    (``offload_checkpoints=False``), pinned host (``True``, or turned on by the GPU budget under
+    ``"auto"``: :meth:`start_offload`), or the disk tier's file (``"disk"``; with an ``offload_dir``
+    also where the RAM cannot take a host checkpoint). The file is made on first use, closed at detach.
+
+    ``store`` gives the pinned bytes (``allocate``/``free``); ``available_host()`` the RAM the pool may
+    still take, less ``headroom``; ``pin`` whether the disk tier's staging is pinned.
+    """
+
+    def __init__(self, inputs: ActivationInputs, act, store, stats, streams, available_host, headroom: int,
+                 pin: bool) -> None:
+        self.inputs, self.act = inputs, act
+        self._store, self._stats, self._streams = store, stats, streams
+        self._available_host, self._headroom, self._pin = available_host, headroom, pin
+        self.disk_file: DiskCheckpoints | None = None  # the disk tier's checkpoint file (made on first use)
+        inputs.home = DeviceHome(act.checkpoint_dtype)
+        if act.offload_checkpoints is True:
+            self.start_offload()
+        elif act.offload_checkpoints == "disk":
+            inputs.home = DiskHome(self.disk())
+
+    def start_offload(self) -> None:
+        """Checkpoints go to pinned host memory from the next call on."""
+        act = self.act
+        pool = CheckpointOffload(self._store.allocate, self._store.free, self._available_host, self._headroom,
+                                 self._stats, self._streams, act.checkpoint_dtype)
+        self.inputs.home = HostHome(pool, self.disk if act.disk_dir is not None else None)
+
+    def disk(self) -> DiskCheckpoints:
+        """The disk tier's checkpoint file (made on first use: a spill, or ``offload_checkpoints="disk"``)."""
+        if self.disk_file is None:
+            act = self.act
+            pin = (lambda n: self._store.allocate(n, torch.uint8)) if self._pin else None
+            self.disk_file = DiskCheckpoints(act.disk_dir, self._stats, self._streams, pin, act.checkpoint_dtype)
+            logger.info("megatrain: activation checkpoints on the disk tier in %s", self.disk_file.run_dir)
+        return self.disk_file
+
+    def close(self) -> None:
+        if self.disk_file is not None:
+            self.disk_file.close()
 
 
 class ActivationInputs:

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import BackgroundWorkerError
+from ..errors import BackgroundWorkerError, IncompatibleOptionsError, UsageError
 from .autocast import autocast_state
 
 _local = threading.local()
@@ -267,3 +267,73 @@ def run(
                     failure = failure or exc
         if failure is not None and sys.exc_info()[0] is None:
             raise failure
+
+
+class Driver:
+    """An engine's layer-major schedule: micro-batch steps run through the engine's :class:`UnitRunner`
+    as coroutines (:func:`run`), their unit calls in rounds and their backward as one.
+
+    ``runner`` executes the unit calls and carries the :class:`Group` in progress; ``grads`` (the
+    engine's gradient sink) sums a group's gradients on the device and names the parameters with
+    tensor hooks, which a group's one backward would run once instead of once per micro-batch.
+    """
+
+    def __init__(self, runner, grads, device: torch.device) -> None:
+        self.runner, self.grads, self.device = runner, grads, device
+
+    def coroutine(self) -> Coroutine | None:
+        """The micro-batch of a group running on this thread, if any."""
+        return current(self)
+
+    def run(self, fns: list[Callable[[], Any]]) -> list[Any]:
+        """Run micro-batch steps layer-major; return their results (one step runs as it is)."""
+        if self.runner.group is not None:
+            raise UsageError("megatrain: run_layer_major() cannot be nested")
+        if len(fns) == 1:
+            return [fns[0]()]
+        hooked = self.grads.hooked_parameters()
+        if hooked:
+            raise IncompatibleOptionsError(
+                f"megatrain: layer-major accumulation sums the micro-batches' gradients before they reach the "
+                f"parameters, but {hooked[:3]} have tensor hooks, which run once per backward. Fix: "
+                "MegaTrainConfig(layer_major=False) (or 'auto'), or one backward per micro-batch in your loop."
+            )
+        self.runner.group = Group()
+        self.grads.begin_group()
+        try:
+            return run(self, self.device, fns, self._execute_call, self._backward_all)
+        finally:
+            self.runner.group = None
+            self.grads.end_group()
+
+    def loss_step(self, loss_fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """One micro-batch step of :meth:`Engine.accumulate`: its loss, back-propagated, detached."""
+        loss = loss_fn()
+        self.backward(loss)
+        return loss.detach()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool | None = None) -> None:
+        """``loss.backward()``; inside a group, deferred to the group's one backward."""
+        coroutine = current(self)
+        if coroutine is None:
+            loss.backward(retain_graph=retain_graph)
+        else:
+            coroutine.pause("backward", (loss, {"retain_graph": retain_graph}))
+
+    def _execute_call(self, coroutine: Coroutine, u: int, args: tuple, kwargs: dict, kernel: Any) -> Any:
+        group = self.runner.group
+        group.current = coroutine
+        try:
+            return self.runner.call(u, args, kwargs, kernel)
+        finally:
+            group.current = None
+
+    def _backward_all(self, items: list[tuple[torch.Tensor, dict]]) -> None:
+        group = self.runner.group
+        group.backward_open = True
+        try:
+            retain = any(kwargs.get("retain_graph") for _, kwargs in items)
+            torch.autograd.backward([loss for loss, _ in items], retain_graph=retain)
+        finally:
+            group.backward_open = False
+            group.reset_rounds()

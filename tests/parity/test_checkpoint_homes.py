@@ -84,7 +84,7 @@ def test_host_checkpoints_spill_to_disk_unit_by_unit_when_ram_is_short(tmp_path,
     _, losses = train(model, training_args(tmp_path / "spill", **args),
                       callbacks=[MegaTrainPlugin(offload_checkpoints=True, offload_dir=_disk_dir(tmp_path, "s"))])
     engine = engine_of(model)
-    assert engine._checkpoint_disk is not None and engine._checkpoint_disk.bytes_written > 0
+    assert engine.checkpoint_homes.disk_file is not None and engine.checkpoint_homes.disk_file.bytes_written > 0
     assert 0 < engine.offload.pool_bytes <= 2 * 2 * 16 * 64 * 4
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(model))

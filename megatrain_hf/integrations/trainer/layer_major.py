@@ -28,7 +28,6 @@ from ...errors import IncompatibleOptionsError
 from ...core.patcher import Patcher
 from ...core.hooks import hooked_modules
 from ...models.checks import dropout_modules
-from ...runtime.layer_major import current
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +153,7 @@ def _run(plugin, trainer, model, group: _StepGroup, training_step) -> list:
     original_backward = accelerator.backward
 
     def backward(loss, **kwargs):
-        if current(engine) is None:
+        if engine.layer_major.coroutine() is None:
             return original_backward(loss, **kwargs)
         unknown = sorted(set(kwargs) - {"retain_graph"})
         if unknown:
