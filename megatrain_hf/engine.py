@@ -157,8 +157,10 @@ class Engine:
         self.num_templates = len(templates)
         self.runner = UnitRunner(units, self.streamer, self.grads, self.stats, self.budget, device, dtype,
                                  INPUT_KWARGS, prepare_graph_call)
+        budget = self.budget.budget  # the activations' share: what the resident units leave of it
         self.runner.tile_policy = activations.tile_policy(plan.activations.tile_tokens, plan.activations.compute_bytes,
-                                                          self.budget.budget)
+                                                          None if budget is None else
+                                                          max(1, budget - plan.residency.device_bytes))
         self.layer_major = layer_major.Driver(self.runner, self.grads, device)
         self.runner.layer_recipe = self.family.layer_recipe  # whole decoder layers tiled (models/layer_recipes.py)
         self._longest_sequence = 0

@@ -272,3 +272,20 @@ def test_another_optimizer_on_resident_units_is_refused():
     model(input_ids=ids, labels=ids).loss.backward()
     with pytest.raises(IncompatibleOptionsError, match="only HostAdamW updates them there"):
         optimizer.step()
+
+
+def test_the_sequence_tiles_are_sized_from_what_the_resident_units_leave_of_the_budget():
+    """Under ``max_gpu_memory`` the resident units' state takes part of the budget: "auto" sequence tiles are
+    sized from the rest (a tile that fit the whole budget would not fit beside them)."""
+    tiles = {}
+    for resident in (0, ALL):
+        model = tiny_model("llama")
+        engine = attach(model, MegaTrainConfig(device="cpu", resident_units=resident, max_gpu_memory="40MB",
+                                               sequence_tile_tokens="auto"))
+        mlp = model.model.layers[0].mlp
+        tiles[resident] = (engine.plan.residency.device_bytes,
+                           engine.runner.tile_policy(2**20, model.config.hidden_size, mlp.intermediate_size))
+        engine.detach()
+    (none, untouched), (taken, smaller) = tiles[0], tiles[ALL]
+    assert none == 0 and taken > 0
+    assert smaller < untouched  # the tile of the budget less the resident units' bytes
