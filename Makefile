@@ -13,16 +13,20 @@ install:
 demo: install
 	$(PY) examples/demo.py
 
-# the CPU suite (what CI runs; ~12 min on 2 cores): every test but the GPU ones; -rs lists each
+# pytest-xdist workers: the suite's tiny-model tests are single-threaded Python, so two workers on 2 cores
+# take 0.6x the time of one (docs/log.md); JOBS=0 runs in this process (a debugger, -x stops at once)
+JOBS ?= 2
+
+# the CPU suite (what CI runs; ~17 min on 2 cores): every test but the GPU ones; -rs lists each
 # skipped test with its reason (a missing optional package, no GPU, ...)
 test: install
-	$(PY) -m pytest -m "not gpu" -q -rs
+	$(PY) -m pytest -m "not gpu" -q -rs -n $(JOBS)
 
-# a quick check while editing (~3 min on 2 cores): without the tests marked `slow` (> ~5 s each on a
+# a quick check while editing (~4 min on 2 cores): without the tests marked `slow` (> ~5 s each on a
 # 2-core CPU, or training runs in subprocesses), and one case of each parametrized test (--fast,
 # tests/conftest.py: its first parameter set, e.g. llama of the family sweeps)
 test-fast: install
-	$(PY) -m pytest -m "not gpu and not slow" --fast -q -rs
+	$(PY) -m pytest -m "not gpu and not slow" --fast -q -rs -n $(JOBS)
 
 # the lowest versions pyproject.toml accepts (transformers, accelerate, peft, trl) in a clean venv,
 # on a fast subset of the tests (.ci/lower_bounds.sh says which)

@@ -40,6 +40,7 @@ def _compiled_run(tmp_path, name: str, backend: str, family: str = "llama"):
     return model, trainer, losses, logs
 
 
+@pytest.mark.slow  # ~10 s: compiles: in `make test`, not in `make test-fast`
 def test_torch_compile_trains_like_eager_and_plain_trainer(tmp_path):
     ref_model = _model()
     _, ref_losses = train(ref_model, training_args(tmp_path / "ref"))

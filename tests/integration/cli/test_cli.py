@@ -67,6 +67,7 @@ def test_subcommand_help(command, capsys):
     assert capsys.readouterr().out.startswith(f"usage: megatrain {command}")
 
 
+@pytest.mark.slow  # ~10 s: the console script in processes: in `make test`, not in `make test-fast`
 def test_console_help_and_version_in_a_process():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     code = "import sys; from megatrain_hf.cli import main; sys.exit(main())"

@@ -55,6 +55,7 @@ def test_a_child_out_of_reach_trains_plainly_and_the_wrapper_says_so(tmp_path):
     assert "did not inherit PYTHONPATH" in proc.stderr and "Fix: wrap the module that builds the Trainer" in proc.stderr
 
 
+@pytest.mark.slow  # ~15 s: Python processes with the boot: in `make test`, not in `make test-fast`
 def test_the_boot_chains_an_existing_sitecustomize_and_enables_on_trainer_import(tmp_path):
     other = tmp_path / "other"
     other.mkdir()

@@ -112,6 +112,7 @@ def test_init_optimizer_compression_sets_optimizer_state(value, state):
         mt.disable()
 
 
+@pytest.mark.slow  # ~15 s: fresh interpreters: in `make test`, not in `make test-fast`
 def test_import_loads_neither_transformers_nor_the_trainer_integration():
     code = ("import sys, megatrain_hf; assert 'transformers' not in sys.modules, 'transformers'; "
             "assert 'megatrain_hf.integrations.trainer' not in sys.modules; "

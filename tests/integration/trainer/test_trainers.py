@@ -83,6 +83,7 @@ def _trial_losses(tmp_path, plugin: bool) -> list[list[float]]:
     return [trial for trial in losses if trial]
 
 
+@pytest.mark.slow  # ~10 s: optuna trials: in `make test`, not in `make test-fast`
 def test_hyperparameter_search_trials_equal_plain_trials(tmp_path):
     optuna = pytest.importorskip("optuna")
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -111,6 +112,7 @@ def _resumed_state(tmp_path, name: str, plugin: bool) -> tuple[dict, dict]:
     return _state_at(tmp_path / f"{name}-full"), _state_at(tmp_path / f"{name}-resumed")
 
 
+@pytest.mark.slow  # ~8 s: four training runs: in `make test`, not in `make test-fast`
 def test_resumed_trainer_state_equals_the_uninterrupted_runs(tmp_path):
     """Every field of trainer_state.json that plain Trainer keeps equal between a resumed and an
     uninterrupted run is equal under megatrain too: its metrics are not in the checkpointed state."""
