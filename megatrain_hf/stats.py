@@ -169,9 +169,9 @@ class Metrics:
             self._alloc_retries = retries
         if optimizer is not None:  # the host update's own time, hidden or not, and its rate
             update_s, updated = optimizer.take_update_stats()
-            take_device = getattr(optimizer, "take_device_numel", None)
-            on_device = take_device() if take_device is not None else 0
-            if take_device is not None and updated + on_device > 0:
+            take_device = getattr(optimizer, "take_device_numel", None)  # device_update's share, resident units
+            on_device = take_device() if take_device is not None else None
+            if on_device is not None and updated + on_device > 0:
                 out["megatrain/update_device_frac"] = on_device / (updated + on_device)
             if elapsed is not None and update_s > 0:
                 out["megatrain/update_frac"] = update_s / elapsed

@@ -349,10 +349,6 @@ class DeviceShareAdamW(HostAdamW):
     kept_grad_units = property(lambda self: self.scheduler.kept_grad_units,
                                doc="Device updates that read gradients the sink kept on the device.")
 
-    def take_device_numel(self) -> int:
-        """Elements updated on the compute device since the last call."""
-        return self.scheduler.take_device_numel()
-
 
 class _Piece:
     """A slice of one parameter's update state (flat views into the host flats, or a kept device gradient)."""

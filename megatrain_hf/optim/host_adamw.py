@@ -332,6 +332,12 @@ class HostAdamW(torch.optim.Optimizer):
         """Seconds spent updating units on the host and the elements updated, since the last call."""
         return self.scheduler.take_update_stats()
 
+    def take_device_numel(self) -> int | None:
+        """Elements updated on the compute device since the last call (``device_update``'s share, resident
+        units); None when the scheduler updates nothing there."""
+        take = getattr(self.scheduler, "take_device_numel", None)
+        return take() if take is not None else None
+
     # ------------------------------------------------------------------ lifetime
     def synchronize(self) -> None:
         """Wait for the background update of the last ``step()``; re-raise its failure. The host flats then

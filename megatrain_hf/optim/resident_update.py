@@ -30,6 +30,7 @@ class ResidentWorker(HostWorker):
     def __init__(self, updater, gates, threads: int, resident) -> None:
         super().__init__(updater, gates, threads)
         self.resident = resident
+        self._device_numel = 0  # elements of the resident units' updates issued since the last take
         resident.bind_moments(updater.moments.in_ram)  # fp32 in RAM: the plan refuses other formats and the disk tier
 
     @classmethod
@@ -44,6 +45,12 @@ class ResidentWorker(HostWorker):
         for job in jobs:
             if job.unit in units:
                 self.resident.run_update(job.unit, lambda job=job: update_on_device(self.resident, job))
+                self._device_numel += job.numel
+
+    def take_device_numel(self) -> int:
+        """Elements of the resident units' updates issued since the last call."""
+        out, self._device_numel = self._device_numel, 0
+        return out
 
     def export(self) -> None:
         self.resident.sync_down()

@@ -289,3 +289,33 @@ def test_the_sequence_tiles_are_sized_from_what_the_resident_units_leave_of_the_
     (none, untouched), (taken, smaller) = tiles[0], tiles[ALL]
     assert none == 0 and taken > 0
     assert smaller < untouched  # the tile of the budget less the resident units' bytes
+
+
+def test_the_metrics_report_the_share_updated_on_the_device(tmp_path):
+    """``megatrain/update_device_frac`` counts the resident units' elements (1 with every unit resident; absent
+    with none), the host's rows the streamed units' only: over a hand loop, after ``synchronize``, exactly
+    the resident and the streamed elements of each step."""
+    from tests.helpers import LogRecorder
+
+    model = tiny_model("llama")
+    numel = [sum(p.numel() for p in unit.parameters()) for unit in
+             [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]]
+    assert not model.config.tie_word_embeddings
+    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=2))
+    optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    optimizer.take_update_stats(), optimizer.take_device_numel()
+    for step in range(3):
+        ids = _batch(step)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    assert optimizer.take_device_numel() == 3 * sum(numel[:2])
+    assert optimizer.take_update_stats()[1] == 3 * sum(numel[2:])
+    engine.detach()
+    for resident in (0, ALL):
+        logs = LogRecorder()
+        train(tiny_model("llama"), training_args(tmp_path / str(resident), logging_steps=1),
+              callbacks=[MegaTrainPlugin(MegaTrainConfig(resident_units=resident, metrics="all")), logs])
+        shares = [h.get("megatrain/update_device_frac") for h in logs.logs if "loss" in h]
+        assert shares and all(s == (None if resident == 0 else 1.0) for s in shares), shares
