@@ -146,7 +146,8 @@ class Engine:
             self.grad_keeper = KeepingGradSink(self.grads)
         self.budget = GpuBudget(device, plan.activations.gpu_budget, plan.activations.offload_checkpoints,
                                 offload=lambda: self.runner.offload, start_offload=lambda: self.checkpoint_homes.start_offload(),
-                                available_host=self._available_host, on_undo=self.patcher.on_undo)
+                                available_host=self._available_host, on_undo=self.patcher.on_undo,
+                                expandable=plan.activations.expandable_segments)
         templates = TemplateCache()
         units = []
         streamed = frozenset(id(p) for _, module in named for p in module.parameters())  # no callable may hold one

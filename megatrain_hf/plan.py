@@ -158,6 +158,8 @@ class ActivationPlan:
     gpu_budget: int | None  # max_gpu_memory in bytes
     checkpoint_dtype: torch.dtype | None = None  # checkpoint_dtype="bf16" (None: each input's own dtype)
     disk_dir: str | None = None  # offload_dir: "disk" checkpoints, and host ones the RAM cannot take, go there
+    # max_seq_len on CUDA: the caching allocator on expandable segments (memory/budget.py), as under max_gpu_memory
+    expandable_segments: bool = False
 
 
 @dataclass(frozen=True)
@@ -449,6 +451,9 @@ ADJUSTMENTS: dict[str, tuple[tuple[str, str], str]] = {
                          "unit resident"),
     "chunked_loss auto": (("chunked_loss='auto'", "entry point"), "off at attach; the Trainer integration turns it "
                           "on under plain transformers.Trainer"),
+    "allocator expandable": (("max_seq_len", "machine: CUDA"), "the caching allocator is switched to expandable "
+                             "segments (as under max_gpu_memory; a PYTORCH_CUDA_ALLOC_CONF naming expandable_segments "
+                             "wins): at 512K tokens fixed segments reserved up to 24 GiB above the allocated peak"),
     "max_seq_len placement": (("max_seq_len", "machine: GPU, RAM, disk"), "offload_checkpoints, checkpoint_interval, "
                               "host_staging and offload_state left at 'auto' take the exact placement at that length "
                               "(LongContextFitError when only inexact options fit)"),
@@ -496,6 +501,9 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
     if f.sharded and c.data_parallel == "auto":
         notes.append(("data_parallel auto", f"{machine.world_size} ranks"))
     grads = torch.bfloat16 if c.grad_dtype == "bf16" else torch.float32
+    expandable = joint is not None and machine.device.type == "cuda"
+    if expandable:
+        notes.append(("allocator expandable", f"max_seq_len={c.max_seq_len}"))
     staging, tiers = c.host_staging is not False, DiskTier(False)
     units = sizes(compute, experts) if sizes is not None else None
     if units is not None:
@@ -533,7 +541,7 @@ def resolve(config: MegaTrainConfig, machine: Machine, run: Run = Run(),
         TransportPlan(streams, (3, MAX_PENDING_SENDS + 2) if streams else (1, 1)),
         ActivationPlan(c.offload_checkpoints, c.resolve_checkpoint_interval(), c.sequence_tile_tokens,
                        torch.finfo(compute).bits // 8, budget,
-                       torch.bfloat16 if c.checkpoint_dtype == "bf16" else None, c.offload_dir),
+                       torch.bfloat16 if c.checkpoint_dtype == "bf16" else None, c.offload_dir, expandable),
         LossPlan(c.chunked_loss is True, c.loss_chunk_tokens), tuple(notes),
         CompilePlan(c.compile_backend, c.compile_mode) if c.compile else None, joint, residency_plan)
     for key, detail in notes:

@@ -48,7 +48,7 @@ def use_expandable_segments() -> Callable[[], None] | None:
         setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if setter is None:
         logger.warning("megatrain: this torch cannot switch the CUDA allocator to expandable segments at run "
-                       "time; under max_gpu_memory set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+                       "time; under max_gpu_memory or max_seq_len set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         return None
     setter("expandable_segments:True")
     return lambda: setter("expandable_segments:False")
@@ -65,14 +65,16 @@ class GpuBudget:
 
     ``offload`` returns the engine's checkpoint offload (None while off), ``start_offload`` turns
     it on, ``available_host`` gives the host RAM offloaded checkpoints may still take, and
-    ``on_undo`` registers the allocator settings' undo with the engine. ``peak_source`` is the
+    ``on_undo`` registers the allocator settings' undo with the engine; ``expandable`` switches the allocator to
+    expandable segments without a budget (the plan's choice under ``max_seq_len``). ``peak_source`` is the
     measurement (the allocator's active-bytes peak since the last reset on CUDA; None: nothing is
     measured, no budget applies); tests on the CPU set ``budget`` and ``peak_source`` themselves.
     """
 
     def __init__(self, device: torch.device, budget_bytes: int | None, offload_mode: bool | str,
                  offload: Callable[[], object], start_offload: Callable[[], None],
-                 available_host: Callable[[], int], on_undo: Callable[[Callable[[], None]], None]) -> None:
+                 available_host: Callable[[], int], on_undo: Callable[[Callable[[], None]], None],
+                 expandable: bool = False) -> None:
         self.device = device
         self.budget = budget_bytes
         self._offload_mode = offload_mode
@@ -87,7 +89,14 @@ class GpuBudget:
         self.peak_source: Callable[[], int] | None = None
         # the largest peaks seen before each reset of the statistics (reset per measured step)
         self.max_peak_allocated = self.max_peak_reserved = 0
-        if budget_bytes is None or device.type != "cuda":
+        if device.type != "cuda":
+            return
+        if budget_bytes is None:
+            undo = use_expandable_segments() if expandable else None
+            if undo is not None:
+                on_undo(undo)
+                logger.info("megatrain: CUDA allocator on expandable segments (max_seq_len: long sequences "
+                            "fragment fixed segments)")
             return
         total = torch.cuda.get_device_properties(device).total_memory
         fraction = min(1.0, budget_bytes / total)

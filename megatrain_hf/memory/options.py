@@ -132,8 +132,10 @@ class MemoryOptions:
     fp32, `grad_dtype="bf16"`) are never turned on: when only they would fit, attaching raises
     `LongContextFitError` naming the longest length that fits and what fits more. A longer sequence in
     training is logged once, or refused where the placement no longer fits it
-    ([long context](long-context.md#setting-max_seq_len)). `None`: no placement (the defaults as they
-    are)."""
+    ([long context](long-context.md#setting-max_seq_len)). On CUDA it also switches PyTorch's caching
+    allocator to expandable segments (unless `PYTORCH_ALLOC_CONF` or `PYTORCH_CUDA_ALLOC_CONF` name
+    them): at 512K tokens fixed segments reserved up to 24 GiB above the allocated peak. `None`: no
+    placement (the defaults as they are)."""
 
     check_host_memory: bool = True
     """Before allocating, compare the host bytes the plan needs with the RAM available and raise

@@ -157,3 +157,17 @@ def test_the_plan_needs_the_shape():
     with pytest.raises(UsageError, match="max_seq_len needs the model's shape"):
         resolve(MegaTrainConfig(max_seq_len=4096), _machine(79), Run(bf16=True),
                 lambda compute, experts: shape_sizes(PRESETS["llama-7b"], compute))
+
+
+def test_max_seq_len_on_cuda_puts_the_allocator_on_expandable_segments():
+    """At 512K tokens fixed segments reserved up to 24 GiB above the allocated peak (docs/benchmarks.md): under
+    ``max_seq_len`` on CUDA the plan switches the allocator to expandable segments, and says so; not on the CPU,
+    not without ``max_seq_len``."""
+    plan = _plan("llama-7b", 139, max_seq_len=128 * K, compute_dtype="bf16")
+    assert plan.activations.expandable_segments
+    assert "allocator expandable" in dict(plan.adjustments)
+    assert not _plan("llama-7b", 139, compute_dtype="bf16").activations.expandable_segments
+    cpu = Machine(torch.device("cpu"), ram_available=125 * G)
+    on_cpu = resolve(MegaTrainConfig(max_seq_len=1024), cpu, Run(), lambda compute, experts: shape_sizes(
+        PRESETS["llama-7b"], compute), lambda: PRESETS["llama-7b"])
+    assert on_cpu.long_context is not None and not on_cpu.activations.expandable_segments

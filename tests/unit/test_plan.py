@@ -178,6 +178,8 @@ ROWS = [
     ("max_seq_len places the checkpoints", dict(max_seq_len=262144), H100, dict(bf16=True),
      ("adjusts", "max_seq_len placement", lambda p: (p.activations.offload_checkpoints, p.activations.checkpoint_interval,
                                                      p.host.staging) == (True, 8, False))),
+    ("max_seq_len on CUDA: expandable segments", dict(max_seq_len=262144), H100, dict(bf16=True),
+     ("adjusts", "allocator expandable", lambda p: p.activations.expandable_segments)),
     ("experts whose kernel ignores autocast", {}, {}, dict(bf16=True, experts="grouped_mm"),
      ("adjusts", "experts fp32", lambda p: p.precision.experts == torch.float32
       and p.precision.compute == torch.bfloat16)),
