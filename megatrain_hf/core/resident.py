@@ -155,6 +155,19 @@ class ResidentState:
                 out.append(flat[e.offset : e.offset + e.numel].view(e.shape))
         return views
 
+    def upload_scalars(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host scalars (0-d fp32: step counts, a clip coefficient) as device scalars for the work issued next
+        on the current stream. With streams: one non-blocking copy from pinned memory (the host allocator keeps
+        the pinned block until the copy ran). A plain ``.to(device)`` copies from pageable memory and blocks
+        the host until the current stream drained: on the update stream, which waits for the compute stream,
+        that is every unit's update issued before, one after another."""
+        host = torch.stack(values)
+        if self.streams is None:
+            return list(host.unbind())
+        pinned = self.streams.pinned(host.shape, host.dtype)
+        pinned.copy_(host)
+        return list(pinned.to(self.device, non_blocking=True).unbind())
+
     def updated(self, u: int) -> None:
         """Unit ``u``'s masters changed on the device: its compute-dtype copy follows."""
         if u in self.copy:
@@ -186,9 +199,11 @@ class ResidentState:
             received.add(e.offset)
 
     def gradient(self, e: Entry) -> torch.Tensor | None:
-        """``e``'s gradient of this step (a view of the device accumulator, shaped), or None."""
+        """``e``'s gradient of this step (a view of the device accumulator, shaped), or None. What the current
+        stream does next with it runs after the unit's last update (whose clip multiply writes it in place)."""
         if e.offset not in self.received[e.owner]:
             return None
+        self._after_update(e.owner)
         return self.region(e).view(e.shape)
 
     def grad_key(self, u: int) -> tuple:
@@ -233,7 +248,10 @@ class ResidentState:
 
     # ------------------------------------------------------------------ the optimizer's moments
     def bind_moments(self, host: dict[int, dict[str, torch.Tensor]]) -> None:
-        """The optimizer's RAM moment flats of each resident unit it updates: copied up, kept level from now."""
+        """The optimizer's RAM moment flats of each resident unit it updates: copied up, kept level from now.
+        An optimizer built again drops the previous device moments: first the host waits for the updates issued
+        on them (the caching allocator would hand their memory to the new copies while an update still writes)."""
+        self.wait_updates()
         self._host_moments = {u: flats for u, flats in host.items() if u in self.units}
         self.moments = {u: {name: t.to(self.device, copy=True) for name, t in flats.items()}
                         for u, flats in self._host_moments.items()}

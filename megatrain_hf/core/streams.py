@@ -44,7 +44,7 @@ class CudaStreams:
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def pinned(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """Uninitialised page-locked host memory (a target for non-blocking copies down)."""
+        """Uninitialised page-locked host memory (a target for non-blocking copies down, a source of ones up)."""
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def keep_alive(self, tensor: torch.Tensor, stream) -> None:

@@ -61,18 +61,23 @@ class ResidentWorker(HostWorker):
 
 def update_on_device(resident, job: UnitJob) -> None:
     """AdamW of one resident unit on its device state, as ``kernels.torch_update`` on the host flats (run on
-    the stream ``ResidentState.run_update`` chose)."""
-    u, device = job.unit, resident.device
+    the stream ``ResidentState.run_update`` chose).
+
+    The step counts' new values and the clip coefficient go up together (``ResidentState.upload_scalars``: one
+    non-blocking copy from pinned memory, so the training thread does not wait for the update stream). A
+    tensor ``lr`` stays on the host, as ``AdamW(fused=True)`` passes it: the kernel reads a host ``lr`` as a
+    scalar (CUDA's ``lr.is_cpu()`` branch), where a device ``lr`` would cost a blocking copy and must be fp32."""
+    u = job.unit
     for w in job.work:
         params, exp_avgs, exp_avg_sqs = resident.entry_views(u, w.entries)
         torch._foreach_add_(w.steps, 1)  # HostAdamW's counters (host scalars): their new values go up
-        steps = list(torch.stack(w.steps).to(device).unbind())
+        scalars = resident.upload_scalars([*w.steps, *([w.clip] if w.clip is not None else [])])
+        steps = scalars[: len(w.steps)]
         grads = w.grads  # views of the device accumulators, snapshotted by step()
         if w.clip is not None:
-            torch._foreach_mul_(grads, w.clip.to(device))  # exactly clip_grad_norm_'s multiply
-        lr = w.lr.to(device) if isinstance(w.lr, torch.Tensor) else w.lr
+            torch._foreach_mul_(grads, scalars[-1])  # exactly clip_grad_norm_'s multiply
         torch._fused_adamw_(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr, beta1=w.beta1,
+            params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=w.lr, beta1=w.beta1,
             beta2=w.beta2, weight_decay=w.weight_decay, eps=w.eps, maximize=w.maximize, grad_scale=None,
             found_inf=None,
         )

@@ -319,3 +319,65 @@ def test_the_metrics_report_the_share_updated_on_the_device(tmp_path):
               callbacks=[MegaTrainPlugin(MegaTrainConfig(resident_units=resident, metrics="all")), logs])
         shares = [h.get("megatrain/update_device_frac") for h in logs.logs if "loss" in h]
         assert shares and all(s == (None if resident == 0 else 1.0) for s in shares), shares
+
+
+class _PinnedCounter(EmulatedStreams):
+    """Emulated streams that record each pinned allocation's shape."""
+
+    def __init__(self, latency_s: float) -> None:
+        super().__init__(latency_s)
+        self.pinned_shapes: list[tuple[int, ...]] = []
+
+    def pinned(self, shape, dtype):
+        self.pinned_shapes.append(tuple(shape))
+        return super().pinned(shape, dtype)
+
+
+def test_the_resident_update_sends_its_scalars_up_from_pinned_memory():
+    """Each resident group's step counts and clip coefficient go up in one copy from pinned memory (on CUDA a
+    non-blocking one: a copy from pageable memory would block the training thread on the update stream)."""
+    model = tiny_model("llama")
+    streams = _PinnedCounter(LATE)
+    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=2), streams=streams)
+    optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    ids = _batch(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    engine.clip_grad_norm_(0.05, optimizer=optimizer)  # clips: the coefficient goes up with the step counts
+    before = len(streams.pinned_shapes)
+    optimizer.step()
+    engine.synchronize()
+    entries = [len(optimizer.groups_of(u)[0]) for u in sorted(engine.resident.units)]
+    assert streams.pinned_shapes[before:] == [(n + 1,) for n in entries]
+
+
+def test_a_new_optimizer_binds_its_device_moments_after_the_last_update_ran():
+    """Building a HostAdamW again drops the device moments the last one's updates write: the host waits for
+    those updates first (their memory would be handed to the new moments while an update still writes)."""
+    model = tiny_model("llama")
+    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=ALL), streams=EmulatedStreams(latency_s=0.5))
+    optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    ids = _batch(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    pending = list(engine.resident._updated.values())
+    assert pending and not any(event.query() for event in pending)
+    engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    assert all(event.query() for event in pending)
+    engine.detach()
+
+
+def test_reading_a_resident_gradient_after_the_step_waits_for_its_update():
+    """The update multiplies the resident gradients by the clip coefficient in place, on the update stream: a
+    read issued after ``step()`` (a norm for logging, no forward in between) runs after it."""
+    model = tiny_model("llama")
+    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=ALL), streams=EmulatedStreams(latency_s=0.5))
+    optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    ids = _batch(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    engine.clip_grad_norm_(0.05, optimizer=optimizer)
+    optimizer.step()
+    compute, last = engine.streams.current(), max(e._done_at for e in engine.resident._updated.values())
+    assert compute._done_at < last
+    engine.clip_grad_norm_(1.0)  # recomputes the norms from the clipped device gradients
+    assert compute._done_at >= last
+    engine.detach()
