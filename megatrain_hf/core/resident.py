@@ -65,6 +65,7 @@ class ResidentState:
         self.frozen: dict[int, dict[torch.dtype, torch.Tensor]] = {}
         self.moments: dict[int, dict[str, torch.Tensor]] = {}
         self._host_moments: dict[int, dict[str, torch.Tensor]] = {}
+        self.binding: object | None = None  # the optimizer whose moments are bound (bind_moments): only it updates
         self._versions: dict[int, tuple[int, ...]] = {}
         self._updated: dict[int, object] = {}  # unit -> event after its last update (streams only)
         self.update_stream = streams.new_stream() if streams is not None else None
@@ -247,14 +248,16 @@ class ResidentState:
                     e.tensor.grad = grad.to("cpu", copy=True)
 
     # ------------------------------------------------------------------ the optimizer's moments
-    def bind_moments(self, host: dict[int, dict[str, torch.Tensor]]) -> None:
+    def bind_moments(self, host: dict[int, dict[str, torch.Tensor]]) -> object:
         """The optimizer's RAM moment flats of each resident unit it updates: copied up, kept level from now.
         An optimizer built again drops the previous device moments: first the host waits for the updates issued
         on them (the caching allocator would hand their memory to the new copies while an update still writes)."""
         self.wait_updates()
+        self.binding = object()  # the optimizer bound last: only it may update the device state
         self._host_moments = {u: flats for u, flats in host.items() if u in self.units}
         self.moments = {u: {name: t.to(self.device, copy=True) for name, t in flats.items()}
                         for u, flats in self._host_moments.items()}
+        return self.binding
 
     def moments_changed(self, u: int | None = None) -> None:
         """The host moments of unit ``u`` (all if None) were written (an optimizer load): copy them up."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UsageError
 from .kernels import UnitJob
 from .update_worker import HostWorker
 
@@ -31,7 +32,7 @@ class ResidentWorker(HostWorker):
         super().__init__(updater, gates, threads)
         self.resident = resident
         self._device_numel = 0  # elements of the resident units' updates issued since the last take
-        resident.bind_moments(updater.moments.in_ram)  # fp32 in RAM: the plan refuses other formats and the disk tier
+        self._binding = resident.bind_moments(updater.moments.in_ram)  # fp32 in RAM (the plan refuses the rest)
 
     @classmethod
     def factory(cls, resident):
@@ -40,6 +41,11 @@ class ResidentWorker(HostWorker):
 
     def dispatch(self, jobs: list[UnitJob]) -> None:
         """The streamed units' jobs to the host worker; the resident units' issued now."""
+        if self.resident.binding is not self._binding:
+            raise UsageError(
+                "HostAdamW: a newer HostAdamW of this model took over its resident units' device moments (one "
+                "optimizer updates them at a time), so this one would step the other's state. Fix: step the newest "
+                "optimizer (engine.host_optimizer(...) or Trainer's), or build this one again.")
         units = self.resident.units
         super().dispatch([job for job in jobs if job.unit not in units])
         for job in jobs:

@@ -381,3 +381,20 @@ def test_reading_a_resident_gradient_after_the_step_waits_for_its_update():
     engine.clip_grad_norm_(1.0)  # recomputes the norms from the clipped device gradients
     assert compute._done_at >= last
     engine.detach()
+
+
+def test_an_optimizer_replaced_by_a_newer_one_is_refused_its_step():
+    """A second HostAdamW binds the resident units' device moments to its own: the first one's step would
+    update them with its own step counts, so it is refused with the fix; the newer one trains."""
+    model = tiny_model("llama")
+    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=2))
+    old = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    new = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    ids = _batch(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    with pytest.raises(UsageError, match="a newer HostAdamW of this model took over"):
+        old.step()
+    new.step()
+    new.synchronize()
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    engine.detach()
