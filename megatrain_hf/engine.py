@@ -145,7 +145,8 @@ class Engine:
 
             self.grad_keeper = KeepingGradSink(self.grads)
         self.budget = GpuBudget(device, plan.activations.gpu_budget, plan.activations.offload_checkpoints,
-                                offload=lambda: self.runner.offload, start_offload=lambda: self.checkpoint_homes.start_offload(),
+                                offload=lambda: self.runner.offload,
+                                start_offload=lambda: self.checkpoint_homes.start_offload(),
                                 available_host=self._available_host, on_undo=self.patcher.on_undo,
                                 expandable=plan.activations.expandable_segments)
         templates = TemplateCache()
