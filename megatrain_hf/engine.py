@@ -307,6 +307,7 @@ class Engine:
         """
         self.grads.wait()
         self.store.gates.synchronize()
+        self.store.wait_master_writes()  # masters on disk: the files the parameters map hold the last update
         if self.resident is not None:
             self.resident.sync_down()  # the host flats hold the resident units' masters and moments
 

@@ -18,9 +18,10 @@ import torch
 from .store import HostStore, alias
 
 
-def page_masters(store: HostStore, u: int, mapped: torch.Tensor) -> None:
+def page_masters(store: HostStore, u: int, mapped: torch.Tensor, writes=None) -> None:
     """Unit ``u``'s staged masters now live in ``mapped`` (``n_staged`` fp32 elements that already hold
-    their current values): re-point the parameters, keep the fp32-wire tail in RAM, free the RAM flat."""
+    their current values): re-point the parameters, keep the fp32-wire tail in RAM, free the RAM flat.
+    ``writes``: a weak method that waits for the write-backs into ``mapped``'s file (``HostStore.wait_master_writes``)."""
     bufs = store.buffers[u]
     n = bufs.n_staged
     if mapped.dtype != torch.float32 or mapped.numel() != n:
@@ -33,6 +34,7 @@ def page_masters(store: HostStore, u: int, mapped: torch.Tensor) -> None:
     for e in store.owned_trainable(u):
         e.tensor.data = alias(mapped, e.offset, e.shape) if e.offset < n else alias(tail, e.offset - n, e.shape)
     bufs.master_host, bufs.staged_master, bufs.master_tail, bufs.master_paged = None, mapped, tail, mapped
+    bufs.master_writes = writes
     for flat in (old, old_tail):
         if flat is not None:
             store.free(flat)  # (unpinned; its memory goes back to malloc once nothing aliases it)

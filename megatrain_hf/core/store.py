@@ -97,6 +97,8 @@ class UnitBuffers:
     staged_master: torch.Tensor | None = None  # master[:n_staged], wherever the masters live
     master_tail: torch.Tensor | None = None  # master[n_staged:], wherever the masters live
     master_paged: torch.Tensor | None = None  # masters on disk: staged_master is this mapping (mapped_masters.py)
+    # masters on disk: waits for the disk tier's write-backs into that file (a weak method: None once it is gone)
+    master_writes: Callable[[], Callable[[], None] | None] | None = None
 
     def set_masters(self, flat: torch.Tensor) -> None:
         """The masters live in ``flat`` (a RAM flat or a receive slot)."""
@@ -320,6 +322,16 @@ class HostStore:
     def staging_changed(self, u: int) -> None:
         """Unit ``u``'s staging copy no longer matches (a receive slot now holds another unit's masters)."""
         self.staging.mark_dirty(u)
+
+    def wait_master_writes(self) -> None:
+        """The disk tier's write-backs into the files the paged masters map have landed: the parameters that
+        alias those mappings read the last update (the update ends a unit's gate before its write-back)."""
+        waited = set()
+        for b in self.buffers:
+            flush = b.master_writes() if b.master_writes is not None else None
+            if flush is not None and id(flush.__self__) not in waited:
+                waited.add(id(flush.__self__))
+                flush()
 
     def staged_master(self, u: int) -> torch.Tensor:
         """master[:n_staged] of unit ``u``: in the RAM flat, a receive slot, or mapped (on disk)."""

@@ -306,4 +306,4 @@ def move_masters(pager: PagedState, store, units: list[int]) -> None:
         with pager.resident(u, write=True) as flats:
             flats[MASTER].copy_(store.staged_master(u))
         pager.flush()  # written before the mapping is read
-        page_masters(store, u, pager.map(u, MASTER))
+        page_masters(store, u, pager.map(u, MASTER), weakref.WeakMethod(pager.flush))

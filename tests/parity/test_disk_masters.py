@@ -9,6 +9,7 @@ and checkpoints too; the plan's disk bytes are the files'; impossible combinatio
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -306,3 +307,21 @@ def test_auto_puts_the_fewest_masters_on_disk_when_moments_on_disk_are_not_enoug
     _, ref, ref_losses = _run(tmp_path, "ram", model=tiny_model("llama", **layers), options=dict(host_staging=True))
     assert losses == ref_losses
     assert_same_state(state_of(ref), state_of(model))
+
+
+def test_the_end_of_train_waits_for_the_masters_written_back(tmp_path, monkeypatch):
+    """The update ends a unit's gate before its slot is written back to the file the parameters map: the end of
+    ``train()`` (``engine.synchronize()``) waits for those writes too, so the parameters read right after it
+    are the last update's, however slow the disk (here each write piece lands 0.3 s late)."""
+    from megatrain_hf.core import disk_io
+
+    _, ref, _ = _run(tmp_path, "ram", max_steps=2)
+    write = disk_io._write_piece
+
+    def late(*args):
+        time.sleep(0.3)
+        return write(*args)
+
+    monkeypatch.setattr(disk_io, "_write_piece", late)
+    _, got, _ = _run(tmp_path, "all", "all", max_steps=2)
+    assert_same_state(state_of(ref), state_of(got))
