@@ -98,6 +98,13 @@ def test_resident_units_with_bf16_compute_equal_the_streamed_run(tmp_path, emula
     assert_same_state(state_of(ref), state_of(got))
 
 
+def _hand_loop(resident, streams=None):
+    """A tiny Llama attached with ``resident_units=resident`` (over ``streams``) and its HostAdamW."""
+    model = tiny_model("llama")
+    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=resident), streams=streams)
+    return model, engine, engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+
+
 def _batch(seed):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(seed))
     return ids
@@ -197,10 +204,7 @@ def test_loads_and_edits_between_steps_reach_the_device():
 
 @pytest.mark.parametrize("emulated", PATHS)
 def test_a_nonfinite_norm_skips_the_resident_update(emulated):
-    model = tiny_model("llama")
-    streams = EmulatedStreams(latency_s=LATE) if emulated else None
-    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=2), streams=streams)
-    optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    model, engine, optimizer = _hand_loop(2, EmulatedStreams(latency_s=LATE) if emulated else None)
     before = state_of(model)
     ids = _batch(0)
     model(input_ids=ids, labels=ids).loss.backward()
@@ -224,9 +228,7 @@ def test_a_nonfinite_norm_skips_the_resident_update(emulated):
 def test_every_unit_resident_moves_nothing_over_the_link():
     """Every unit resident, over the emulated streams: no upload, no gradient down, no readiness gate
     closed; each fetch makes the compute stream wait for its unit's update (issued on the update stream)."""
-    model = tiny_model("llama")
-    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=ALL), streams=EmulatedStreams(latency_s=0.2))
-    optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    model, engine, optimizer = _hand_loop(ALL, EmulatedStreams(latency_s=0.2))
     ids = _batch(0)
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
@@ -297,12 +299,10 @@ def test_the_metrics_report_the_share_updated_on_the_device(tmp_path):
     the resident and the streamed elements of each step."""
     from tests.helpers import LogRecorder
 
-    model = tiny_model("llama")
+    model, engine, optimizer = _hand_loop(2)
     numel = [sum(p.numel() for p in unit.parameters()) for unit in
              [model.model.embed_tokens, *model.model.layers, model.model.norm, model.lm_head]]
     assert not model.config.tie_word_embeddings
-    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=2))
-    optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
     optimizer.take_update_stats(), optimizer.take_device_numel()
     for step in range(3):
         ids = _batch(step)
@@ -336,10 +336,8 @@ class _PinnedCounter(EmulatedStreams):
 def test_the_resident_update_sends_its_scalars_up_from_pinned_memory():
     """Each resident group's step counts and clip coefficient go up in one copy from pinned memory (on CUDA a
     non-blocking one: a copy from pageable memory would block the training thread on the update stream)."""
-    model = tiny_model("llama")
     streams = _PinnedCounter(LATE)
-    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=2), streams=streams)
-    optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    model, engine, optimizer = _hand_loop(2, streams)
     ids = _batch(0)
     model(input_ids=ids, labels=ids).loss.backward()
     engine.clip_grad_norm_(0.05, optimizer=optimizer)  # clips: the coefficient goes up with the step counts
@@ -353,9 +351,7 @@ def test_the_resident_update_sends_its_scalars_up_from_pinned_memory():
 def test_a_new_optimizer_binds_its_device_moments_after_the_last_update_ran():
     """Building a HostAdamW again drops the device moments the last one's updates write: the host waits for
     those updates first (their memory would be handed to the new moments while an update still writes)."""
-    model = tiny_model("llama")
-    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=ALL), streams=EmulatedStreams(latency_s=0.5))
-    optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    model, engine, optimizer = _hand_loop(ALL, EmulatedStreams(latency_s=0.5))
     ids = _batch(0)
     model(input_ids=ids, labels=ids).loss.backward()
     optimizer.step()
@@ -369,9 +365,7 @@ def test_a_new_optimizer_binds_its_device_moments_after_the_last_update_ran():
 def test_reading_a_resident_gradient_after_the_step_waits_for_its_update():
     """The update multiplies the resident gradients by the clip coefficient in place, on the update stream: a
     read issued after ``step()`` (a norm for logging, no forward in between) runs after it."""
-    model = tiny_model("llama")
-    engine = attach(model, MegaTrainConfig(device="cpu", resident_units=ALL), streams=EmulatedStreams(latency_s=0.5))
-    optimizer = engine.host_optimizer(torch.optim.AdamW(model.parameters(), lr=2e-3))
+    model, engine, optimizer = _hand_loop(ALL, EmulatedStreams(latency_s=0.5))
     ids = _batch(0)
     model(input_ids=ids, labels=ids).loss.backward()
     engine.clip_grad_norm_(0.05, optimizer=optimizer)
